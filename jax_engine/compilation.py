@@ -1,0 +1,88 @@
+"""One owner for compiled programs.
+
+Every jitted program the engine runs goes through a `ProgramCache`: programs are compiled
+ahead of time (`jit(...).lower(...).compile()`) for each bucket at warmup, and looked up by key
+afterwards. A key not compiled at warmup is compiled on demand and counted, so
+`compilations_after_warmup` is exact. A process-wide listener on JAX's compile event is a
+second witness used by tests.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Hashable, Iterable, Optional
+
+import jax
+
+_lock = threading.Lock()
+_global_compiles = 0
+_listener_installed = False
+
+
+def _on_event(event: str, duration: float, **_: Any) -> None:
+    global _global_compiles
+    if event == "/jax/core/compile/backend_compile_duration":
+        with _lock:
+            _global_compiles += 1
+
+
+def install_compile_listener() -> None:
+    global _listener_installed
+    with _lock:
+        if _listener_installed:
+            return
+        _listener_installed = True
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def global_compile_count() -> int:
+    """Backend compilations in this process so far (all owners)."""
+    return _global_compiles
+
+
+def enable_persistent_cache(cache_dir: Optional[str]) -> str:
+    """Turn on JAX's persistent compilation cache; returns the directory used."""
+    if not cache_dir:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        cache_dir = os.path.join(base, "xlaserve", "jax_cache")
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return cache_dir
+
+
+class ProgramCache:
+    """Compiled executables keyed by (program name, bucket key)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._programs: dict[Hashable, Any] = {}
+        self._builders: dict[str, Callable[..., Any]] = {}
+        self.warm = False
+        self.compilations_after_warmup = 0
+        self._lock = threading.Lock()
+
+    def register(self, program: str, jitted: Callable[..., Any]) -> None:
+        self._builders[program] = jitted
+
+    def compile(self, program: str, key: Hashable, example_args: tuple) -> Any:
+        """Compile `program` for `key` using abstract or concrete `example_args`."""
+        exe = self._builders[program].lower(*example_args).compile()
+        with self._lock:
+            self._programs[(program, key)] = exe
+        return exe
+
+    def get(self, program: str, key: Hashable, args: tuple) -> Any:
+        exe = self._programs.get((program, key))
+        if exe is None:
+            if self.warm:
+                self.compilations_after_warmup += 1
+            exe = self.compile(program, key, args)
+        return exe
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def keys(self) -> Iterable[Hashable]:
+        return list(self._programs)

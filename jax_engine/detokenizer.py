@@ -1,0 +1,58 @@
+"""Incremental detokenization and stop-string matching.
+
+Decoding each new token alone breaks multi-byte characters and SentencePiece spacing, so we
+decode a short window (prefix_offset..end) and emit only what extends the previously decoded
+window, holding back text that ends in an incomplete UTF-8 sequence ("\ufffd"). Text that could
+still become the start of a stop string is also held back until it is decided.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool, stops: list[str],
+                 include_stop: bool):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.stops = stops
+        self.include_stop = include_stop
+        self.ids: list[int] = list(prompt_ids[-6:])   # a little context for correct spacing
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""          # all decoded output text
+        self.emitted = 0        # chars of `text` already handed out
+        self._hold = max((len(s) for s in stops), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> Optional[str]:
+        """Append a token; returns the matched stop string if generation must stop."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            if self.stops:
+                # only the region new text could complete needs searching
+                window_start = max(0, start - self._hold)
+                best = None
+                for s in self.stops:
+                    i = self.text.find(s, window_start)
+                    if i != -1 and (best is None or i < best[0]):
+                        best = (i, s)
+                if best is not None:
+                    i, s = best
+                    self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+                    return s
+        return None
+
+    def take(self, final: bool) -> str:
+        """New text safe to emit (all of it when `final`)."""
+        end = len(self.text) if final or not self.stops else max(self.emitted, len(self.text) - self._hold)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

@@ -1,0 +1,501 @@
+"""One served encoder (embeddings or cross-encoder scores) and the thread that owns its device work.
+
+Flow: `submit` validates and tokenizes on the caller's thread, so every input error is raised
+synchronously, then queues the request. The worker thread takes queued inputs in priority order
+under a token budget (TEI's batcher), sorts them by length and cuts them into groups that each
+fit one static (batch, seq_len) bucket, so short inputs are not padded to a long neighbour. Every
+bucket program is compiled at `warmup`; a request whose inputs are all done gets its `done`
+callback, on the worker thread.
+
+Callback contract: `done(EmbedOutput)` on success, `done(EngineError)` on failure, and
+`done(None)` when the request was aborted (there is no abort error kind; the caller that
+aborted already knows why).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import jax
+import numpy as np
+
+from jax_engine.compilation import ProgramCache, install_compile_listener
+from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.errors import EngineError, Internal, InvalidRequest, Overloaded, Unavailable
+from jax_engine.models import bert
+from jax_engine.types import EmbedOutput, EmbedRequest, ModelInfo, ModelStats
+from weights_convert.hf import CheckpointError
+
+log = logging.getLogger(__name__)
+
+DoneCallback = Callable[[Optional[Union[EmbedOutput, EngineError]]], None]
+MIN_SEQ_BUCKET = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# buckets
+
+
+class EncoderBuckets:
+    """Static (batch, seq_len) shapes: seq_len powers of two from 16 up to the model's max
+    (the max itself closes the list), batch powers of two with batch * seq_len <= token budget."""
+
+    def __init__(self, max_len: int, max_batch_tokens: int):
+        if max_batch_tokens < max_len:
+            raise InvalidRequest(  # TEI #723: a budget below one input would never schedule it
+                f"embed_max_batch_tokens ({max_batch_tokens}) must be >= max_model_len ({max_len})")
+        self.max_batch_tokens = max_batch_tokens
+        seq, s = [], MIN_SEQ_BUCKET
+        while s < max_len:
+            seq.append(s)
+            s *= 2
+        self.seq_lens = seq + [max_len]
+
+    def seq_bucket(self, n: int) -> int:
+        return next(s for s in self.seq_lens if s >= n)
+
+    def max_batch(self, seq_len: int) -> int:
+        return 1 << int(math.log2(self.max_batch_tokens // seq_len))
+
+    @staticmethod
+    def batch_bucket(n: int) -> int:
+        return 1 << max(n - 1, 0).bit_length()
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch, seq_len) program, smallest first."""
+        out = []
+        for s in self.seq_lens:
+            b = 1
+            while b <= self.max_batch(s):
+                out.append((b, s))
+                b *= 2
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# queued work
+
+
+@dataclass(eq=False)  # identity equality: jobs are looked up in the heap by identity
+class _Job:
+    """One accepted request: its tokenized inputs and the rows computed so far."""
+
+    req: EmbedRequest
+    done: DoneCallback
+    ids: list[np.ndarray]
+    types: list[np.ndarray]
+    normalize: bool
+    seq: int
+    results: np.ndarray
+    next_input: int = 0          # inputs before this index have been taken by the worker
+    remaining: int = 0
+    finished: bool = False       # done already called (result, error or abort)
+
+    def __lt__(self, other: "_Job") -> bool:  # heap order: priority, then arrival
+        return (self.req.priority, self.seq) < (other.req.priority, other.seq)
+
+
+@dataclass
+class _Group:
+    """Inputs that run as one bucket program."""
+
+    items: list[tuple[_Job, int]] = field(default_factory=list)
+    seq_len: int = 0
+
+
+class EmbedWorker:
+    """Serves one encoder model; `submit` is thread-safe, device work stays on one thread."""
+
+    def __init__(self, spec: ModelSpec, args: EngineArgs):
+        install_compile_listener()
+        self.spec, self.args = spec, args
+        dtype = _resolve_dtype(spec.dtype, args.dtype, spec.path)
+        self.cfg, self.params = bert.load_encoder(spec.path, dtype, task=spec.task)
+        self.tokenizer = _load_tokenizer(spec.path)
+        cap = spec.max_model_len or args.max_model_len
+        self.max_len = min(self.cfg.max_len, cap) if cap else self.cfg.max_len
+        self.buckets = EncoderBuckets(self.max_len, args.embed_max_batch_tokens)
+        self.programs = ProgramCache(f"embed:{spec.name}")
+        self.programs.register("forward", jax.jit(self._forward))
+        self.info = self._build_info(dtype)
+
+        self._cv = threading.Condition()
+        self._queue: list[_Job] = []                 # heap of jobs with inputs not yet taken
+        self._jobs: dict[str, _Job] = {}             # unfinished jobs by request id
+        self._arrivals = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._stopped = False
+        self._total_tokens = 0
+        self._busy_s = 0.0
+
+    # --- setup --------------------------------------------------------------------------------
+
+    def _forward(self, params: dict, ids: jax.Array, types: jax.Array, mask: jax.Array) -> jax.Array:
+        return bert.forward(params, self.cfg, ids, types, mask)
+
+    def _build_info(self, dtype: str) -> ModelInfo:
+        c, tok = self.cfg, self.tokenizer
+        eos = tok.sep_token_id if tok.sep_token_id is not None else (tok.eos_token_id or c.eos_token_id)
+        bos = tok.cls_token_id if tok.cls_token_id is not None else (tok.bos_token_id or c.bos_token_id)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else c.pad_token_id
+        return ModelInfo(
+            name=self.spec.name, path=self.spec.path, tokenizer_path=self.spec.path,
+            task=c.task, architecture=c.architecture, model_type=c.model_type, dtype=dtype,
+            vocab_size=c.vocab_size, max_model_len=self.max_len,
+            num_params=bert.count_params(self.params),
+            eos_token_ids=[eos] if eos is not None else [], bos_token_id=bos, pad_token_id=pad,
+            id2label=dict(c.id2label), hidden_size=c.hidden_size, embedding_dim=c.output_dim,
+            tp=self.spec.tp, replicas=self.spec.replicas, state="built",
+        )
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucket program now so serving never compiles.
+
+        XLA compiles release the GIL, so a few threads cut warmup roughly by the core count.
+        """
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from tqdm import tqdm
+
+        def compile_one(key: tuple[int, int]) -> None:
+            shape = jax.ShapeDtypeStruct(key, np.int32)
+            self.programs.compile("forward", key, (self.params, shape, shape, shape))
+
+        keys = self.buckets.keys()
+        workers = max(1, min(8, os.cpu_count() or 1, len(keys)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool, \
+                tqdm(total=len(keys), desc=f"compile {self.spec.name}", unit="prog", disable=not progress) as bar:
+            for fut in as_completed([pool.submit(compile_one, k) for k in keys]):
+                fut.result()
+                bar.update(1)
+        self.programs.warm = True
+        self.info.ready = True
+
+    @property
+    def compilations_after_warmup(self) -> int:
+        return self.programs.compilations_after_warmup
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cv:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping = self._stopped = False
+            self._thread = threading.Thread(target=self._loop, name=f"embed-{self.spec.name}", daemon=True)
+            self._thread.start()
+            self.info.state = "running"
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Finish the step in progress, then fail what is still queued with Unavailable."""
+        with self._cv:
+            self._stopping = self._stopped = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cv:
+            left = [j for j in self._jobs.values() if not j.finished]
+            for j in left:
+                j.finished = True
+            self._jobs.clear()
+            self._queue.clear()
+            self.info.state = "stopped"
+        for j in left:
+            _call(j.done, Unavailable(f"model {self.spec.name!r} stopped"))
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def submit(self, req: EmbedRequest, done: DoneCallback) -> None:
+        """Validate, tokenize and queue; raises InvalidRequest / Overloaded / Unavailable."""
+        ids, types = self._tokenize(req)
+        normalize = self.cfg.normalize if req.normalize is None else bool(req.normalize)
+        results = np.zeros((len(ids), self.cfg.output_dim), np.float32)
+        with self._cv:
+            if self._stopped:
+                raise Unavailable(f"model {self.spec.name!r} is stopped")
+            if req.request_id in self._jobs:
+                raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
+            if self._waiting_count() >= self.args.max_waiting_requests:
+                raise Overloaded(
+                    f"model {self.spec.name!r} has {self.args.max_waiting_requests} requests waiting "
+                    f"(max_waiting_requests); retry later")
+            job = _Job(req, done, ids, types, normalize, next(self._arrivals), results, remaining=len(ids))
+            self._jobs[req.request_id] = job
+            heapq.heappush(self._queue, job)
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request's queued inputs and call its `done(None)`; False if it is not in flight."""
+        with self._cv:
+            job = self._jobs.pop(request_id, None)
+            if job is None or job.finished:
+                return False
+            job.finished = True
+            if job in self._queue:
+                self._queue.remove(job)
+                heapq.heapify(self._queue)
+        _call(job.done, None)
+        return True
+
+    def stats(self) -> ModelStats:
+        with self._cv:
+            waiting = self._waiting_count()
+            running = len(self._jobs) - waiting
+            tps = self._total_tokens / self._busy_s if self._busy_s > 0 else 0.0
+            return ModelStats(
+                name=self.spec.name, running_requests=running, waiting_requests=waiting,
+                prefill_tokens_per_s=tps, total_prompt_tokens=self._total_tokens,
+                compilations_after_warmup=self.compilations_after_warmup,
+                max_running_requests=self.buckets.max_batch(self.buckets.seq_lens[0]),
+            )
+
+    def _waiting_count(self) -> int:
+        return sum(1 for j in self._queue if j.next_input == 0)
+
+    # --- validation and tokenization ----------------------------------------------------------
+
+    def _tokenize(self, req: EmbedRequest) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        given = [f for f in ("texts", "token_ids", "pairs") if getattr(req, f) is not None]
+        if len(given) != 1:
+            raise InvalidRequest(f"exactly one of texts, token_ids, pairs must be set (got {given or 'none'})")
+        field_name = given[0]
+        inputs = getattr(req, field_name)
+        if not isinstance(inputs, (list, tuple)) or len(inputs) == 0:
+            raise InvalidRequest(f"{field_name} must be a non-empty list")
+        if len(inputs) > self.args.max_embed_inputs:
+            raise InvalidRequest(
+                f"{field_name} has {len(inputs)} inputs; the limit is {self.args.max_embed_inputs} "
+                "(max_embed_inputs)")
+        if req.token_type_ids is not None and field_name != "token_ids":
+            raise InvalidRequest("token_type_ids may only accompany token_ids")
+        if field_name == "pairs" and self.cfg.task != "classify":
+            raise InvalidRequest(f"pairs need a cross-encoder; model {self.spec.name!r} is an embedding model")
+        if field_name == "token_ids":
+            return self._check_token_ids(inputs, req.token_type_ids)
+        return self._encode_texts(field_name, inputs, req.truncate)
+
+    def _check_token_ids(self, seqs: list, type_seqs: Optional[list]) -> tuple[list, list]:
+        if type_seqs is not None and len(type_seqs) != len(seqs):
+            raise InvalidRequest(f"token_type_ids has {len(type_seqs)} rows, token_ids has {len(seqs)}")
+        ids_out, types_out = [], []
+        for i, seq in enumerate(seqs):
+            ids = _int_array(seq, f"token_ids[{i}]")
+            if ids.size == 0:
+                raise InvalidRequest(f"token_ids[{i}] is empty")
+            if ids.size > self.max_len:
+                raise InvalidRequest(
+                    f"token_ids[{i}] has {ids.size} tokens; the model's maximum is {self.max_len}")
+            if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+                bad = int(ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0])
+                raise InvalidRequest(
+                    f"token_ids[{i}] contains id {bad}, outside the vocabulary [0, {self.cfg.vocab_size})")
+            ids = ids.astype(np.int32)
+            types = np.zeros_like(ids)
+            if type_seqs is not None:
+                types = _int_array(type_seqs[i], f"token_type_ids[{i}]")
+                if types.shape != ids.shape:
+                    raise InvalidRequest(f"token_type_ids[{i}] has {types.size} entries, token_ids[{i}] has {ids.size}")
+                if types.size and (types.min() < 0 or types.max() >= self.cfg.type_vocab_size):
+                    raise InvalidRequest(
+                        f"token_type_ids[{i}] must lie in [0, {self.cfg.type_vocab_size})")
+            ids_out.append(ids)
+            types_out.append(types.astype(np.int32))
+        return ids_out, types_out
+
+    def _encode_texts(self, field_name: str, inputs: list, truncate: bool) -> tuple[list, list]:
+        if field_name == "pairs":
+            for i, p in enumerate(inputs):
+                if not (isinstance(p, (list, tuple)) and len(p) == 2
+                        and all(isinstance(t, str) for t in p)):
+                    raise InvalidRequest(f"pairs[{i}] must be a (query, document) pair of strings")
+                if not p[0] or not p[1]:
+                    raise InvalidRequest(f"pairs[{i}] has an empty {'query' if not p[0] else 'document'}")
+            args = ([p[0] for p in inputs], [p[1] for p in inputs])
+        else:
+            for i, t in enumerate(inputs):
+                if not isinstance(t, str):
+                    raise InvalidRequest(f"texts[{i}] must be a string")
+                if not t:
+                    raise InvalidRequest(f"texts[{i}] is empty")
+            args = (list(inputs),)
+        trunc: Union[bool, str] = "longest_first" if truncate else False
+        enc = self.tokenizer(*args, truncation=trunc, max_length=self.max_len if truncate else None,
+                             return_attention_mask=False, verbose=False)
+        type_rows = enc.get("token_type_ids")
+        ids_out, types_out = [], []
+        for i, row in enumerate(enc["input_ids"]):
+            ids = np.asarray(row, np.int32)
+            if ids.size > self.max_len:
+                raise InvalidRequest(
+                    f"{field_name}[{i}] has {ids.size} tokens; the model's maximum is {self.max_len} "
+                    "(set truncate to cut it)")
+            if ids.size and int(ids.max()) >= self.cfg.vocab_size:
+                raise Internal(f"tokenizer of {self.spec.name!r} produced ids beyond the model's vocabulary")
+            types = np.asarray(type_rows[i], np.int32) if type_rows is not None else np.zeros_like(ids)
+            if self.cfg.type_vocab_size == 1:
+                types = np.zeros_like(ids)  # RoBERTa-style tokenizers may still emit segment ids
+            ids_out.append(ids)
+            types_out.append(types)
+        return ids_out, types_out
+
+    # --- worker thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._queue:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                groups = self._plan(self._take_inputs())
+            self._run(groups)
+
+    def _take_inputs(self) -> list[tuple[_Job, int]]:
+        """Inputs from the head of the queue up to the token budget (at least one). Holds the lock."""
+        taken: list[tuple[_Job, int]] = []
+        tokens = 0
+        while self._queue:
+            job = self._queue[0]
+            while job.next_input < len(job.ids):
+                n = job.ids[job.next_input].size
+                if taken and tokens + n > self.buckets.max_batch_tokens:
+                    return taken
+                taken.append((job, job.next_input))
+                tokens += n
+                job.next_input += 1
+            heapq.heappop(self._queue)
+        return taken
+
+    def _plan(self, taken: list[tuple[_Job, int]]) -> list[_Group]:
+        """Sort by length and cut into groups that each fit one (batch, seq_len) bucket."""
+        taken.sort(key=lambda it: it[0].ids[it[1]].size)
+        groups: list[_Group] = []
+        cur = _Group()
+        for job, i in taken:
+            s = self.buckets.seq_bucket(job.ids[i].size)
+            if cur.items and len(cur.items) + 1 > self.buckets.max_batch(s):
+                groups.append(cur)
+                cur = _Group()
+            cur.items.append((job, i))
+            cur.seq_len = s
+        if cur.items:
+            groups.append(cur)
+        return groups
+
+    def _run(self, groups: list[_Group]) -> None:
+        t0 = time.perf_counter()
+        try:
+            # Dispatch every group before reading any result: host padding overlaps device work.
+            pending = [(g, self._launch(g)) for g in groups]
+            outputs = [(g, np.asarray(out)) for g, out in pending]
+        except Exception as e:  # a device failure fails these requests, not the worker
+            log.exception("encoder step failed for %s", self.spec.name)
+            self._fail({job for g in groups for job, _ in g.items}, Internal(f"encoder step failed: {e}"))
+            return
+        finished: list[_Job] = []
+        with self._cv:
+            self._busy_s += time.perf_counter() - t0
+            for g, out in outputs:
+                for row, (job, i) in enumerate(g.items):
+                    if job.finished:
+                        continue
+                    job.results[i] = out[row]
+                    self._total_tokens += job.ids[i].size
+                    job.remaining -= 1
+                    if job.remaining == 0:
+                        job.finished = True
+                        self._jobs.pop(job.req.request_id, None)
+                        finished.append(job)
+        for job in finished:
+            _call(job.done, self._output(job))
+
+    def _launch(self, g: _Group) -> jax.Array:
+        b = self.buckets.batch_bucket(len(g.items))
+        ids = np.full((b, g.seq_len), self.cfg.pad_token_id, np.int32)
+        types = np.zeros((b, g.seq_len), np.int32)
+        mask = np.zeros((b, g.seq_len), np.int32)
+        for row, (job, i) in enumerate(g.items):
+            n = job.ids[i].size
+            ids[row, :n] = job.ids[i]
+            types[row, :n] = job.types[i]
+            mask[row, :n] = 1
+        exe = self.programs.get("forward", (b, g.seq_len), (self.params, ids, types, mask))
+        return exe(self.params, ids, types, mask)
+
+    def _output(self, job: _Job) -> EmbedOutput:
+        counts = [int(x.size) for x in job.ids]
+        out = EmbedOutput(request_id=job.req.request_id, prompt_tokens=sum(counts), token_counts=counts)
+        if self.cfg.task == "classify":
+            out.scores = job.results
+        else:
+            out.embeddings = bert.l2_normalize(job.results) if job.normalize else job.results
+        return out
+
+    def _fail(self, jobs: set, err: EngineError) -> None:
+        with self._cv:
+            failed = [j for j in jobs if not j.finished]
+            for j in failed:
+                j.finished = True
+                self._jobs.pop(j.req.request_id, None)
+                if j in self._queue:
+                    self._queue.remove(j)
+            heapq.heapify(self._queue)
+        for j in failed:
+            _call(j.done, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _call(done: DoneCallback, value: Optional[Union[EmbedOutput, EngineError]]) -> None:
+    """A failing callback must not take the worker thread down with it."""
+    try:
+        done(value)
+    except Exception:
+        log.exception("embed done-callback raised")
+
+
+def _int_array(seq: object, name: str) -> np.ndarray:
+    """int64 view of a list of token ids (wide, so range checks see the caller's real values)."""
+    try:
+        arr = np.asarray(seq)
+    except Exception as e:
+        raise InvalidRequest(f"{name} must be a list of integers") from e
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidRequest(f"{name} must be a list of integers")
+    return arr.astype(np.int64)
+
+
+def _resolve_dtype(spec_dtype: str, engine_dtype: str, path: str) -> str:
+    """Explicit choice wins; `auto` is float32 on CPU, else the checkpoint's half dtype if it has one."""
+    choice = spec_dtype if spec_dtype and spec_dtype != "auto" else engine_dtype
+    if choice and choice != "auto":
+        return choice
+    if jax.default_backend() == "cpu":
+        return "float32"
+    from weights_convert.hf import read_config
+
+    cfg = read_config(path)
+    saved = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    return "bfloat16" if saved in ("bfloat16", "float16") else "float32"
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types for a broken folder
+        raise CheckpointError(f"cannot load the tokenizer in {path!r}: {e}") from e

@@ -1,0 +1,303 @@
+"""The narrow async interface every front calls (DESIGN §2).
+
+The engine owns one worker per served model: a `GenerateWorker` (scheduler thread + paged KV
+cache, jax_engine/generate_worker.py) for decoders, an `EmbedWorker` for encoders. Workers run
+on their own threads; results cross back to the asyncio loop only through
+`loop.call_soon_threadsafe`, so nothing else is shared between threads.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.errors import (
+    EngineError,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from jax_engine.types import (
+    EmbedOutput,
+    EmbedRequest,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+    ModelStats,
+)
+
+
+class Counters:
+    """Request accounting: every accepted request ends in exactly one terminal outcome."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.accepted = 0
+        self.completed = 0
+        self.errored = 0
+        self.cancelled = 0
+
+    def add(self, field: str) -> None:
+        with self._lock:
+            setattr(self, field, getattr(self, field) + 1)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "accepted": self.accepted,
+                "completed": self.completed,
+                "errored": self.errored,
+                "cancelled": self.cancelled,
+            }
+
+
+class Engine:
+    """Models, requests and stats. Construct, then `load_all()` (blocking), then serve."""
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self._workers: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._draining = False
+        self._loaded = False
+        self.counters = Counters()
+        self.start_time = time.time()
+        from jax_engine.compilation import enable_persistent_cache, install_compile_listener
+
+        install_compile_listener()
+        self.compile_cache_dir = enable_persistent_cache(args.compile_cache_dir)
+
+    # ---------------------------------------------------------------- lifecycle
+    def load_all(self, progress: bool = True) -> None:
+        """Load, warm up and start every model in `args.models` (blocking)."""
+        for spec in self.args.models:
+            self.load_model_sync(spec, progress=progress)
+            self.start_model_sync(spec.name)
+        self._loaded = True
+
+    def load_model_sync(self, spec: ModelSpec, progress: bool = True) -> ModelInfo:
+        if spec.name in self._workers:
+            raise InvalidRequest(f"model {spec.name!r} is already loaded")
+        worker = _make_worker(spec, self.args)
+        worker.warmup(progress=progress)
+        with self._lock:
+            self._workers[spec.name] = worker
+        return worker.info
+
+    def start_model_sync(self, name: str) -> None:
+        w = self._worker(name)
+        w.start()
+        w.info.state = "running"
+        w.info.ready = True
+
+    def stop_model_sync(self, name: str, timeout: float = 30.0) -> None:
+        w = self._worker(name)
+        w.info.ready = False
+        w.info.state = "stopped"
+        w.stop(timeout)
+
+    def release_model_sync(self, name: str) -> None:
+        w = self._worker(name)
+        if w.info.state == "running":
+            self.stop_model_sync(name)
+        with self._lock:
+            del self._workers[name]
+
+    async def load_model(self, spec: ModelSpec) -> ModelInfo:
+        if self.args.model_root is None:
+            raise PermissionDenied("loading models over the network needs --model-root")
+        _check_under_root(spec.path, self.args.model_root)
+        return await asyncio.to_thread(self.load_model_sync, spec, False)
+
+    async def start_model(self, name: str) -> None:
+        await asyncio.to_thread(self.start_model_sync, name)
+
+    async def stop_model(self, name: str) -> None:
+        await asyncio.to_thread(self.stop_model_sync, name)
+
+    async def release_model(self, name: str) -> None:
+        await asyncio.to_thread(self.release_model_sync, name)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; in-flight ones continue."""
+        self._draining = True
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for name in list(self._workers):
+            try:
+                self._workers[name].stop(timeout)
+            except Exception:
+                pass
+
+    # ---------------------------------------------------------------- state
+    def ready(self) -> bool:
+        return self._loaded and not self._draining and self.healthy()
+
+    def healthy(self) -> bool:
+        return all(w.alive() for w in self._workers.values() if w.info.state == "running")
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def models(self) -> list[ModelInfo]:
+        return [w.info for w in self._workers.values()]
+
+    def model_info(self, name: Optional[str] = None, task: Optional[str] = None) -> ModelInfo:
+        return self._resolve(name, task).info
+
+    def default_model(self, task: str) -> Optional[str]:
+        for n, w in self._workers.items():
+            if _task_matches(w.info.task, task):
+                return n
+        return None
+
+    def tokenizer(self, name: Optional[str] = None, task: Optional[str] = None):
+        """The model's HF tokenizer (fronts use it for text, chat templates, Arctic prompts)."""
+        return self._resolve(name, task).tokenizer
+
+    def stats(self, name: Optional[str] = None) -> ModelStats:
+        return self._resolve(name, None).stats()
+
+    def compilations_after_warmup(self) -> int:
+        return sum(w.stats().compilations_after_warmup for w in self._workers.values())
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Stream outputs of all `n` sequences; errors before the first event raise EngineError.
+
+        Closing the iterator early (client gone) aborts the request.
+        """
+        self._admit()
+        worker = self._resolve(req.model, "generate")
+        if not req.request_id:
+            req.request_id = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(out: GenerateOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        handle = worker.submit_generate(req, sink)  # raises InvalidRequest / Overloaded
+        self.counters.add("accepted")
+        n = req.params.n
+        finished = 0
+        outcome = "cancelled"
+        try:
+            while finished < n:
+                out: GenerateOutput = await queue.get()
+                if out.finished:
+                    finished += 1
+                    if out.finish_reason == "error":
+                        outcome = "errored"
+                    elif out.finish_reason == "abort" and outcome != "errored":
+                        outcome = "cancelled"
+                    elif finished == n and outcome not in ("errored",):
+                        outcome = "completed" if out.finish_reason != "abort" else "cancelled"
+                yield out
+        finally:
+            if finished < n:
+                worker.abort(handle)
+                outcome = "cancelled"
+            self.counters.add(outcome)
+
+    async def embed(self, req: EmbedRequest) -> EmbedOutput:
+        self._admit()
+        worker = self._resolve(req.model, "embed")
+        if not req.request_id:
+            req.request_id = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def done(result) -> None:
+            def _set() -> None:
+                if not fut.done():
+                    fut.set_result(result)
+
+            loop.call_soon_threadsafe(_set)
+
+        worker.submit_embed(req, done)
+        self.counters.add("accepted")
+        try:
+            result = await fut
+        except asyncio.CancelledError:
+            worker.abort(req.request_id)
+            self.counters.add("cancelled")
+            raise
+        if result is None:
+            self.counters.add("cancelled")
+            raise Unavailable(f"request {req.request_id!r} was aborted")
+        if isinstance(result, EngineError):
+            self.counters.add("errored")
+            raise result
+        self.counters.add("completed")
+        return result
+
+    def abort(self, request_id: str) -> bool:
+        """Abort `request_id` (and its n>1 sequences) wherever it runs; True if it was found."""
+        found = False
+        for w in list(self._workers.values()):
+            found = w.abort(request_id) or found
+        return found
+
+    # ---------------------------------------------------------------- helpers
+    def _admit(self) -> None:
+        if self._draining:
+            raise Unavailable("server is draining; not accepting new requests")
+        if not self._loaded:
+            raise Unavailable("server is starting; models are not ready yet")
+
+    def _worker(self, name: str):
+        w = self._workers.get(name)
+        if w is None:
+            raise NotFound(f"model {name!r} is not served (served: {sorted(self._workers)})")
+        return w
+
+    def _resolve(self, name: Optional[str], task: Optional[str]):
+        if name:
+            w = self._worker(name)
+            if task == "generate" and w.info.task != "generate":
+                raise InvalidRequest(f"model {name!r} is an {w.info.task} model, not a generation model")
+            if task == "embed" and w.info.task not in ("embed", "classify", "generate"):
+                raise InvalidRequest(f"model {name!r} cannot embed")
+            if w.info.state != "running":
+                raise Unavailable(f"model {name!r} is not running (state {w.info.state})")
+            return w
+        default = self.default_model(task or "generate") if task else next(iter(self._workers), None)
+        if default is None:
+            raise NotFound(f"no {task or ''} model is served".replace("  ", " "))
+        return self._resolve(default, task)
+
+
+def _task_matches(model_task: str, wanted: str) -> bool:
+    if wanted == "embed":
+        return model_task in ("embed", "classify")
+    return model_task == wanted
+
+
+def _check_under_root(path: str, root: str) -> None:
+    import os
+
+    real = os.path.realpath(path)
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise PermissionDenied(f"model path {path!r} is outside --model-root")
+
+
+def _make_worker(spec: ModelSpec, args: EngineArgs):
+    from weights_convert.hf import read_config
+
+    from jax_engine.models.registry import task_of
+
+    task = spec.task or task_of(read_config(spec.path))
+    if task == "generate":
+        from jax_engine.generate_worker import GenerateWorker
+
+        return GenerateWorker(spec, args)
+    from jax_engine.embed_worker import EmbedWorker
+
+    return EmbedWorker(spec, args)

@@ -1,0 +1,295 @@
+"""A served decoder: validation, tokenization, and dispatch over data-parallel replicas.
+
+Each replica is a (ModelRunner, PagePool, Scheduler) on its own group of `tp` devices (a row of
+the ('data', 'model') mesh). New requests go to the least-loaded replica.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.demo_model import is_demo_model
+from jax_engine.detokenizer import IncrementalDetokenizer
+from jax_engine.errors import InvalidRequest, Overloaded
+from jax_engine.models.llama import LlamaConfig
+from jax_engine.models.llama_weights import count_params, load_hf_params
+from jax_engine.page_pool import PagePool
+from jax_engine.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
+from jax_engine.scheduler import Scheduler
+from jax_engine.sequence import Request, Sequence
+from jax_engine.types import GenerateOutput, GenerateRequest, ModelInfo, ModelStats
+from weights_convert.hf import CheckpointReader, read_config
+
+log = logging.getLogger("xlaserve.generate")
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    if name in ("auto", "", None):
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if name in ("float32", "fp32"):
+        return jnp.float32
+    if name in ("bfloat16", "bf16"):
+        return jnp.bfloat16
+    raise InvalidRequest(f"dtype {name!r} is not supported (float32, bfloat16)")
+
+
+def make_meshes(tp: int, replicas: int) -> list[Optional[Mesh]]:
+    """One ('data', 'model') mesh row per replica; None = single device, no sharding."""
+    devs = jax.devices()
+    if tp * replicas > len(devs):
+        raise InvalidRequest(f"tp {tp} x replicas {replicas} needs {tp * replicas} devices, have {len(devs)}")
+    if tp == 1 and replicas == 1:
+        return [None]
+    grid = np.array(devs[: tp * replicas]).reshape(replicas, tp)
+    return [Mesh(grid[r:r + 1], ("data", "model")) for r in range(replicas)]
+
+
+class GenerateWorker:
+    def __init__(self, spec: ModelSpec, args: EngineArgs):
+        from transformers import AutoTokenizer
+        from tqdm import tqdm
+
+        self.spec, self.args = spec, args
+        hf = read_config(spec.path)
+        cfg = _load_config(spec.path, hf)
+        tp = spec.tp if spec.tp != 1 else args.tp
+        replicas = spec.replicas if spec.replicas != 1 else args.replicas
+        if cfg.num_heads % tp:
+            raise InvalidRequest(f"tp {tp} does not divide {cfg.num_heads} attention heads")
+        kv_repeat = 1
+        if tp > cfg.num_kv_heads:
+            if tp % cfg.num_kv_heads or (cfg.num_heads // tp) < 1:
+                raise InvalidRequest(f"tp {tp} is incompatible with {cfg.num_kv_heads} KV heads")
+            kv_repeat = tp // cfg.num_kv_heads
+        elif cfg.num_kv_heads % tp:
+            raise InvalidRequest(f"tp {tp} does not divide {cfg.num_kv_heads} KV heads")
+        import dataclasses
+        self.cfg = dataclasses.replace(cfg, kv_repeat=kv_repeat)
+        self.dtype = resolve_dtype(spec.dtype if spec.dtype != "auto" else args.dtype)
+        quant = spec.quantize if spec.quantize != "none" else args.quantize
+        if quant not in ("none", "int8"):
+            raise InvalidRequest(f"quantize {quant!r} is not supported (none, int8)")
+        self.quantize = quant
+        self.max_model_len = min(spec.max_model_len or args.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.page_size = spec.page_size or args.page_size
+        max_running = spec.max_running_requests or args.max_running_requests
+        max_tokens = spec.max_num_batched_tokens or args.max_num_batched_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+        self.eos_ids = set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.meshes = make_meshes(tp, replicas)
+        self.replicas: list[Scheduler] = []
+        for r, mesh in enumerate(self.meshes):
+            bar = tqdm(total=self.cfg.num_layers, desc=f"loading {spec.name} (replica {r})", unit="layer",
+                       disable=not os.environ.get("XLASERVE_PROGRESS", "1") == "1")
+            params = _load_params(spec.path, self.cfg, self.dtype, quant, mesh, bar.update)
+            bar.close()
+            rc = RunnerConfig(page_size=self.page_size, num_pages=0, max_running=max_running,
+                              max_batched_tokens=max_tokens, max_model_len=self.max_model_len,
+                              max_n=args.max_n, top_n=max(1, args.max_top_logprobs))
+            rc.num_pages = spec.num_pages or args.num_pages or self._auto_pages(rc)
+            runner = ModelRunner(self.cfg, params, rc, mesh, self.dtype)
+            pool = PagePool(rc.num_pages, self.page_size,
+                            enable_prefix_cache=spec.enable_prefix_cache if spec.enable_prefix_cache is not None
+                            else args.enable_prefix_cache, ttl_s=spec.prefix_cache_ttl_s)
+            self.replicas.append(Scheduler(runner, pool, self.eos_ids, self.max_model_len, f"{spec.name}/{r}"))
+        tok = self.tokenizer
+        self.info = ModelInfo(
+            name=spec.name, path=os.path.abspath(spec.path), tokenizer_path=os.path.abspath(spec.path), task="generate",
+            architecture=cfg.architecture, model_type=cfg.model_type, dtype=jnp.dtype(self.dtype).name,
+            vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, num_params=count_params(cfg),
+            eos_token_ids=sorted(self.eos_ids), bos_token_id=cfg.bos_token_id if cfg.bos_token_id is not None else tok.bos_token_id,
+            pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else tok.pad_token_id,
+            hidden_size=cfg.hidden_size, embedding_dim=cfg.hidden_size, tp=tp, replicas=replicas,
+            page_size=self.page_size, quantization=quant,
+            random_weights=spec.random_weights or is_demo_model(spec.path),
+        )
+
+    def _auto_pages(self, rc: RunnerConfig) -> int:
+        """Enough pages for every running row at full context, capped by a memory budget."""
+        want = rc.max_running * math.ceil(rc.max_model_len / rc.page_size) + 1
+        c = self.cfg
+        per_page = 2 * c.num_layers * rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * jnp.dtype(self.dtype).itemsize
+        budget = 4 << 30
+        try:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * 0.8)
+        except Exception:
+            pass
+        return max(2, min(want, budget // per_page))
+
+    # ------------------------------------------------------------------ lifecycle
+    def warmup(self, progress: bool = True) -> None:
+        t = time.time()
+        for s in self.replicas:
+            s.runner.warmup(progress)
+        self.warmup_s = time.time() - t
+        r = self.replicas[0].runner
+        log.info("%s: %d programs compiled in %.1fs (tokens %s, batch %s, pages %s)", self.spec.name,
+                 len(r.programs), self.warmup_s, r.token_buckets, r.batch_buckets, r.page_buckets)
+
+    def start(self) -> None:
+        for s in self.replicas:
+            if s.thread is None or not s.thread.is_alive():
+                s.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for s in self.replicas:
+            s.stop(timeout)
+
+    def alive(self) -> bool:
+        return all(s.alive() for s in self.replicas)
+
+    # ------------------------------------------------------------------ requests
+    def submit_generate(self, req: GenerateRequest, sink: Callable[[GenerateOutput], None]) -> str:
+        ids = self._prompt_ids(req)
+        max_new = self._validate(req, ids)
+        sched = min(self.replicas, key=lambda s: s.load())
+        if any(req.request_id in s.requests for s in self.replicas):
+            from jax_engine.errors import AlreadyExists
+            raise AlreadyExists(f"request_id {req.request_id!r} is already active")
+        waiting = sum(s.load() for s in self.replicas) - sum(len(s.running) for s in self.replicas)
+        if waiting >= self.args.max_waiting_requests:
+            raise Overloaded(f"waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
+        p = req.params
+        seed = p.seed if p.seed is not None else random.getrandbits(32)
+        r = Request(request_id=req.request_id, prompt_ids=ids, params=p, sink=sink, max_new_tokens=max_new,
+                    priority=req.priority, seed=seed & 0xFFFFFFFF)
+        for i in range(p.n):
+            r.seqs.append(Sequence(req=r, index=i, detok=IncrementalDetokenizer(
+                self.tokenizer, ids, p.skip_special_tokens, list(p.stop), p.include_stop_str_in_output)))
+        sched.submit(r)
+        return req.request_id
+
+    def abort(self, request_id: str) -> bool:
+        found = False
+        for s in self.replicas:
+            found = s.abort(request_id) or found
+        return found
+
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_ids is not None and req.prompt is not None:
+            raise InvalidRequest("give either prompt or prompt_ids, not both")
+        if req.prompt_ids is not None:
+            ids = [int(t) for t in req.prompt_ids]
+        elif req.prompt is not None:
+            ids = self.tokenizer(req.prompt, add_special_tokens=True)["input_ids"]
+        else:
+            raise InvalidRequest("prompt: a prompt or prompt token ids are required")
+        if not ids:
+            raise InvalidRequest("prompt: the prompt is empty (0 tokens)")
+        V = self.cfg.vocab_size
+        bad = [t for t in ids if t < 0 or t >= V]
+        if bad:
+            raise InvalidRequest(f"prompt_ids: token id {bad[0]} is out of range [0, {V})")
+        return ids
+
+    def _validate(self, req: GenerateRequest, ids: list[int]) -> int:
+        """Check every sampling field against the engine's limits; returns max_new_tokens."""
+        p, a, V = req.params, self.args, self.cfg.vocab_size
+        L = len(ids)
+        limit = a.max_prompt_tokens or (self.max_model_len - 1)
+        if L > min(limit, self.max_model_len - 1):
+            raise InvalidRequest(f"prompt: {L} tokens exceeds the limit of {min(limit, self.max_model_len - 1)} "
+                                 f"(context length {self.max_model_len})")
+        room = self.max_model_len - L
+        if p.max_new_tokens is None:
+            max_new = min(room, a.max_new_tokens_limit)
+        else:
+            if p.max_new_tokens < 1:
+                raise InvalidRequest(f"max_new_tokens: must be >= 1, got {p.max_new_tokens}")
+            if p.max_new_tokens > a.max_new_tokens_limit:
+                raise InvalidRequest(f"max_new_tokens: {p.max_new_tokens} exceeds the limit of {a.max_new_tokens_limit}")
+            if p.max_new_tokens > room:
+                raise InvalidRequest(f"max_new_tokens: prompt ({L} tokens) + max_new_tokens ({p.max_new_tokens}) "
+                                     f"exceeds the context length {self.max_model_len}")
+            max_new = p.max_new_tokens
+        _finite(p.temperature, "temperature", 0.0, 100.0)
+        _finite(p.top_p, "top_p", 0.0, 1.0)
+        if p.top_p <= 0:
+            raise InvalidRequest(f"top_p: must be in (0, 1], got {p.top_p}")
+        _finite(p.min_p, "min_p", 0.0, 1.0)
+        if p.top_k < -1:
+            raise InvalidRequest(f"top_k: must be -1, 0 (off) or positive, got {p.top_k}")
+        _finite(p.repetition_penalty, "repetition_penalty", 1e-6, 100.0)
+        _finite(p.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        _finite(p.presence_penalty, "presence_penalty", -2.0, 2.0)
+        if not 1 <= p.n <= a.max_n:
+            raise InvalidRequest(f"n: must be in [1, {a.max_n}], got {p.n}")
+        if p.top_logprobs < 0 or p.top_logprobs > a.max_top_logprobs:
+            raise InvalidRequest(f"top_logprobs: must be in [0, {a.max_top_logprobs}], got {p.top_logprobs}")
+        if p.min_new_tokens < 0 or p.min_new_tokens > max_new:
+            raise InvalidRequest(f"min_new_tokens: must be in [0, max_new_tokens={max_new}], got {p.min_new_tokens}")
+        if len(p.stop) > a.max_stop_strings:
+            raise InvalidRequest(f"stop: {len(p.stop)} stop strings exceeds the limit of {a.max_stop_strings}")
+        for s in p.stop:
+            if not s or len(s) > a.max_stop_string_len:
+                raise InvalidRequest(f"stop: each stop string must have 1..{a.max_stop_string_len} characters")
+        for t in p.stop_token_ids:
+            if not 0 <= t < V:
+                raise InvalidRequest(f"stop_token_ids: token id {t} is out of range [0, {V})")
+        if len(set(p.stop_token_ids) | self.eos_ids) > NUM_BAN:
+            raise InvalidRequest(f"stop_token_ids: at most {NUM_BAN - len(self.eos_ids)} ids are supported")
+        if len(p.logit_bias) > NUM_BIAS:
+            raise InvalidRequest(f"logit_bias: at most {NUM_BIAS} entries are supported, got {len(p.logit_bias)}")
+        for t, v in p.logit_bias.items():
+            if not 0 <= int(t) < V:
+                raise InvalidRequest(f"logit_bias: token id {t} is out of range [0, {V})")
+            _finite(v, f"logit_bias[{t}]", -100.0, 100.0)
+        if p.prompt_logprobs_start is not None and not 0 <= p.prompt_logprobs_start < L:
+            raise InvalidRequest(f"prompt_logprobs_start: must be in [0, {L}), got {p.prompt_logprobs_start}")
+        if p.seed is not None and not 0 <= p.seed < 2 ** 64:
+            raise InvalidRequest(f"seed: must be in [0, 2^64), got {p.seed}")
+        return max_new
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> ModelStats:
+        per = []
+        for s in self.replicas:
+            pre, dec = s.throughput()
+            pool = s.pool
+            per.append(ModelStats(
+                name=self.spec.name, running_requests=len(s.running) + len(s.prefilling),
+                waiting_requests=len(s.waiting), pages_total=pool.usable, pages_used=pool.num_used(),
+                pages_free=pool.num_free(), page_size=pool.page_size, prefill_tokens_per_s=pre,
+                decode_tokens_per_s=dec, total_prompt_tokens=s.total_prompt_tokens,
+                total_generated_tokens=s.total_generated_tokens, prefix_cache_hit_tokens=pool.hit_tokens,
+                prefix_cache_miss_tokens=pool.miss_tokens,
+                compilations_after_warmup=s.runner.programs.compilations_after_warmup,
+                max_running_requests=s.max_running, preemptions=s.preemptions))
+        tot = ModelStats(name=self.spec.name, page_size=self.page_size, replicas=per)
+        for f in ("running_requests", "waiting_requests", "pages_total", "pages_used", "pages_free",
+                  "prefill_tokens_per_s", "decode_tokens_per_s", "total_prompt_tokens", "total_generated_tokens",
+                  "prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "compilations_after_warmup",
+                  "max_running_requests", "preemptions"):
+            setattr(tot, f, sum(getattr(x, f) for x in per))
+        return tot
+
+
+def _finite(v: float, name: str, lo: float, hi: float) -> None:
+    if not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise InvalidRequest(f"{name}: must be a finite number in [{lo}, {hi}], got {v}")
+
+
+def _load_config(path: str, hf: dict) -> LlamaConfig:
+    return LlamaConfig.from_hf(hf)
+
+
+def _load_params(path: str, cfg: LlamaConfig, dtype, quant: str, mesh, progress) -> dict:
+    """HF folder, or a checkpoint written by `xlaserve convert` (already in our layout)."""
+    from weights_convert.convert import is_converted, load_converted
+
+    if is_converted(path):
+        return load_converted(path, cfg, dtype, quant, mesh, progress)
+    return load_hf_params(CheckpointReader(path), cfg, dtype, quant, mesh, progress=progress)

@@ -1,0 +1,281 @@
+"""The decoder's compiled programs and device state; the single owner of static shapes.
+
+Programs (each compiled ahead of time per bucket at warmup, looked up through ProgramCache):
+  decode_{greedy,sample}[B, P]  one token for each of B rows, with sampling fused in
+  prefill{,_plp}[T, P]          a chunk of T tokens of one sequence; samples up to R = max_n
+                                rows from its last position (n > 1 children); `_plp` also
+                                returns prompt logprobs for every position
+  copy_page                     copy-on-write of a partially filled page for n > 1 forks
+  set_slot                      (re)initialise a row of the penalty state
+Device state (donated into every program, so it is updated in place):
+  k, v   [L, num_pages * page_size, KVH, D]  the paged KV cache, page 0 reserved
+  counts [slots + 1, V] int32 output-token counts; pm [slots + 1, V] prompt-token mask
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_engine import sampling
+from jax_engine.compilation import ProgramCache
+from jax_engine.models import llama
+from jax_engine.models.llama import LlamaConfig, StepInputs
+
+NUM_BIAS = 64     # static width of the sparse logit-bias arrays (a request may set up to this many)
+NUM_BAN = 16      # static width of the min_new_tokens ban list (EOS + stop token ids)
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return sorted(set(out))
+
+
+def page_buckets(p_max: int, ratio: int = 4) -> list[int]:
+    out, b = [], p_max
+    while b >= 1:
+        out.append(b)
+        if b == 1:
+            break
+        b = max(1, b // ratio)
+    return sorted(set(out))
+
+
+def pick(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class RunnerConfig:
+    page_size: int
+    num_pages: int
+    max_running: int            # decode rows == penalty-state slots
+    max_batched_tokens: int     # largest prefill chunk
+    max_model_len: int
+    max_n: int                  # sample rows of the prefill program
+    top_n: int                  # static top-logprobs width
+    min_token_bucket: int = 16
+    page_bucket_ratio: int = 4
+
+
+class ModelRunner:
+    def __init__(self, cfg: LlamaConfig, params: dict, rc: RunnerConfig, mesh: Optional[Mesh], dtype: Any):
+        self.cfg, self.params, self.rc, self.mesh = cfg, params, rc, mesh
+        self.dtype = dtype
+        self.batch_buckets = pow2_buckets(1, rc.max_running)
+        self.token_buckets = pow2_buckets(min(rc.min_token_bucket, rc.max_batched_tokens), rc.max_batched_tokens)
+        self.p_max = math.ceil(rc.max_model_len / rc.page_size)
+        self.page_buckets = page_buckets(self.p_max, rc.page_bucket_ratio)
+        self.dummy_slot = rc.max_running
+        self.programs = ProgramCache("decoder")
+        self.fault_hook: Optional[Callable[[str], None]] = None  # tests inject step failures here
+        self._replicated = NamedSharding(mesh, P()) if mesh is not None else jax.devices()[0]
+        self.state = self._new_state()
+        self._register()
+
+    # ------------------------------------------------------------------ state
+    def _new_state(self) -> dict:
+        c, rc = self.cfg, self.rc
+        kvh = c.num_kv_heads * c.kv_repeat
+        shape = (c.num_layers, rc.num_pages * rc.page_size, kvh, c.head_dim)
+        kv_sh = NamedSharding(self.mesh, P(None, None, "model", None)) if self.mesh is not None else self._replicated
+        slots = rc.max_running + 1
+        return {
+            "k": jnp.zeros(shape, self.dtype, device=kv_sh),
+            "v": jnp.zeros(shape, self.dtype, device=kv_sh),
+            "counts": jnp.zeros((slots, c.vocab_size), jnp.int32, device=self._replicated),
+            "pm": jnp.zeros((slots, c.vocab_size), bool, device=self._replicated),
+        }
+
+    def state_lost(self) -> bool:
+        """True when a failed program left the donated state deleted."""
+        return any(x.is_deleted() for x in self.state.values())
+
+    def reset_state(self) -> None:
+        self.state = self._new_state()
+
+    def kv_bytes_per_page(self) -> int:
+        c = self.cfg
+        return 2 * c.num_layers * self.rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * jnp.dtype(self.dtype).itemsize
+
+    # ------------------------------------------------------------------ programs
+    def _register(self) -> None:
+        cfg, ps, top_n = self.cfg, self.rc.page_size, self.rc.top_n
+
+        def decode(params, state, tokens, positions, slots, page_table, kv_lens, slot_ids, sa, *, mode):
+            h, k, v = llama.forward(params, cfg, state["k"], state["v"],
+                                    StepInputs(tokens[:, None], positions[:, None], slots[:, None], page_table, kv_lens), ps)
+            raw = llama.lm_head(params, cfg, h[:, 0])
+            logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
+            tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
+            chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
+            counts = state["counts"].at[slot_ids, tok].add(1)
+            return (tok, chosen, top_v, top_i), {"k": k, "v": v, "counts": counts, "pm": state["pm"]}
+
+        def prefill(params, state, tokens, positions, slots, page_row, kv_len, last_idx, slot_ids, sa,
+                    next_tokens, *, plp):
+            h, k, v = llama.forward(params, cfg, state["k"], state["v"],
+                                    StepInputs(tokens[None], positions[None], slots[None], page_row[None], kv_len[None]), ps)
+            R = slot_ids.shape[0]
+            raw = jnp.broadcast_to(llama.lm_head(params, cfg, h[0, last_idx])[None], (R, cfg.vocab_size))
+            logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
+            tok = sampling.sample(logits, sa)
+            chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
+            counts = state["counts"].at[slot_ids, tok].add(1)
+            out = (tok, chosen, top_v, top_i)
+            if plp:
+                all_raw = llama.lm_head(params, cfg, h[0])
+                out = out + sampling.logprobs_of(all_raw, next_tokens, top_n)
+            return out, {"k": k, "v": v, "counts": counts, "pm": state["pm"]}
+
+        def copy_page(state, src, dst):
+            def cp(buf):
+                blk = jax.lax.dynamic_slice_in_dim(buf, src * ps, ps, axis=1)
+                return jax.lax.dynamic_update_slice_in_dim(buf, blk, dst * ps, axis=1)
+            return {**state, "k": cp(state["k"]), "v": cp(state["v"])}
+
+        def set_slot(state, slot, prompt_ids, output_ids):
+            V = cfg.vocab_size
+            pm_row = jnp.zeros((V,), bool).at[prompt_ids].set(True, mode="drop")
+            c_row = jnp.zeros((V,), jnp.int32).at[output_ids].add(1, mode="drop")
+            return {**state, "pm": state["pm"].at[slot].set(pm_row), "counts": state["counts"].at[slot].set(c_row)}
+
+        d = dict(donate_argnums=(1,))
+        self.programs.register("decode_greedy", jax.jit(functools.partial(decode, mode="greedy"), **d))
+        self.programs.register("decode_sample", jax.jit(functools.partial(decode, mode="sample"), **d))
+        self.programs.register("prefill", jax.jit(functools.partial(prefill, plp=False), **d))
+        self.programs.register("prefill_plp", jax.jit(functools.partial(prefill, plp=True), **d))
+        self.programs.register("copy_page", jax.jit(copy_page, donate_argnums=(0,)))
+        self.programs.register("set_slot", jax.jit(set_slot, donate_argnums=(0,)))
+
+    def _put(self, *arrays):
+        return jax.device_put(arrays, self._replicated)
+
+    def _sa(self, rows: list, R: int) -> sampling.SamplingArrays:
+        host = sampling.host_arrays(rows, R, NUM_BIAS, NUM_BAN)
+        names = list(host)
+        return sampling.SamplingArrays(**dict(zip(names, self._put(*[host[n] for n in names]))))
+
+    def _run(self, program: str, key: tuple, args: tuple):
+        if self.fault_hook is not None:
+            self.fault_hook(program)
+        exe = self.programs.get(program, key, args)
+        return exe(*args)
+
+    # ------------------------------------------------------------------ steps
+    def decode(self, rows: list[dict], greedy: bool) -> tuple[np.ndarray, ...]:
+        """rows: dicts with token, position, slot (KV slot), pages, slot_id, and sampling fields."""
+        n = len(rows)
+        B = pick(self.batch_buckets, n)
+        Pb = pick(self.page_buckets, max(len(r["pages"]) for r in rows))
+        tokens = np.zeros(B, np.int32)
+        positions = np.zeros(B, np.int32)
+        slots = np.zeros(B, np.int32)
+        table = np.zeros((B, Pb), np.int32)
+        kv_lens = np.zeros(B, np.int32)
+        slot_ids = np.full(B, self.dummy_slot, np.int32)
+        for i, r in enumerate(rows):
+            tokens[i], positions[i], slots[i] = r["token"], r["position"], r["kv_slot"]
+            table[i, :len(r["pages"])] = r["pages"]
+            kv_lens[i] = r["position"] + 1
+            slot_ids[i] = r["slot_id"]
+        sa = self._sa([r["sampling"] for r in rows], B)
+        args = (self.params, self.state, *self._put(tokens, positions, slots, table, kv_lens, slot_ids), sa)
+        out, self.state = self._run("decode_greedy" if greedy else "decode_sample", (B, Pb), args)
+        return tuple(np.asarray(x)[:n] for x in out)
+
+    def prefill(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
+                slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]] = None) -> tuple[np.ndarray, ...]:
+        """Compute KV for tokens at positions start..start+len-1 and sample len(sample_rows) rows."""
+        n = len(tokens)
+        T = pick(self.token_buckets, n)
+        kv_len = start + n
+        Pb = pick(self.page_buckets, math.ceil(kv_len / self.rc.page_size))
+        ps = self.rc.page_size
+        tok = np.zeros(T, np.int32)
+        tok[:n] = tokens
+        pos = np.zeros(T, np.int32)
+        pos[:n] = np.arange(start, kv_len)
+        slots = np.zeros(T, np.int32)
+        p = pos[:n]
+        slots[:n] = np.asarray(pages, np.int32)[p // ps] * ps + p % ps
+        row = np.zeros(Pb, np.int32)
+        row[:len(pages)] = pages[:Pb]
+        R = self.rc.max_n
+        sid = np.full(R, self.dummy_slot, np.int32)
+        sid[:len(slot_ids)] = slot_ids
+        nxt = np.zeros(T, np.int32)
+        if next_tokens is not None:
+            nxt[:len(next_tokens)] = next_tokens
+        rows = list(sample_rows) + [None] * (R - len(sample_rows))
+        sa = self._sa(rows, R)
+        args = (self.params, self.state, *self._put(tok, pos, slots, row, np.int32(kv_len), np.int32(n - 1), sid),
+                sa, self._put(nxt)[0])
+        out, self.state = self._run("prefill_plp" if prompt_lp else "prefill", (T, Pb), args)
+        k = len(sample_rows)
+        res = tuple(np.asarray(x)[:k] for x in out[:4])
+        if prompt_lp:
+            res = res + tuple(np.asarray(x)[:n] for x in out[4:])
+        return res
+
+    def copy_page(self, src: int, dst: int) -> None:
+        args = (self.state, *self._put(np.int32(src), np.int32(dst)))
+        self.state = self._run("copy_page", (), args)
+
+    def set_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        L = self.rc.max_model_len
+        V = self.cfg.vocab_size
+        pi = np.full(L, V, np.int32)
+        pi[:min(len(prompt_ids), L)] = prompt_ids[:L]
+        oi = np.full(L, V, np.int32)
+        oi[:min(len(output_ids), L)] = output_ids[:L]
+        args = (self.state, *self._put(np.int32(slot), pi, oi))
+        self.state = self._run("set_slot", (), args)
+
+    # ------------------------------------------------------------------ warmup
+    def all_keys(self) -> list[tuple[str, tuple]]:
+        keys = []
+        for prog in ("decode_greedy", "decode_sample"):
+            keys += [(prog, (B, Pb)) for B in self.batch_buckets for Pb in self.page_buckets]
+        for prog in ("prefill", "prefill_plp"):
+            # a chunk of n tokens (bucket T: n > T/2) needs kv_len >= n, so smaller page buckets never occur
+            keys += [(prog, (T, Pb)) for T in self.token_buckets for Pb in self.page_buckets
+                     if 2 * Pb * self.rc.page_size > T or T == self.token_buckets[0]]
+        return keys + [("copy_page", ()), ("set_slot", ())]
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every program for every bucket by running it on dummy inputs (page 0 only)."""
+        from tqdm import tqdm
+
+        keys = self.all_keys()
+        bar = tqdm(keys, desc="compiling decoder programs", disable=not progress, unit="prog")
+        for prog, key in bar:
+            if prog.startswith("decode"):
+                B, Pb = key
+                rows = [{"token": 0, "position": 0, "kv_slot": 0, "pages": [0] * Pb, "slot_id": self.dummy_slot,
+                         "sampling": None}] * B
+                self.decode(rows, greedy=prog == "decode_greedy")
+            elif prog.startswith("prefill"):
+                T, Pb = key
+                n = min(T, Pb * self.rc.page_size)
+                self.prefill([0] * n, Pb * self.rc.page_size - n, [0] * Pb, [None], [self.dummy_slot],
+                             prompt_lp=prog == "prefill_plp")
+            elif prog == "copy_page":
+                self.copy_page(0, 0)
+            else:
+                self.set_slot(self.dummy_slot, [], [])
+        # dummy runs wrote garbage into the dummy penalty row and page 0; both are scratch by design
+        self.programs.warm = True

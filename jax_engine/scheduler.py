@@ -1,0 +1,425 @@
+"""Continuous batching for one decoder replica, on its own thread (owns the device state).
+
+Each step: take new requests and aborts from the control queue; admit waiting sequences by
+(priority, arrival) while rows, slots and pages allow; run prefill chunks under the token budget
+(what is left after one token per running sequence), so a long prompt never stalls decoding
+for more than one chunk; then one fused decode+sample program for every running sequence.
+When a sequence needs a page and none is left, the newest running sequence is preempted: its
+pages are freed and it is requeued to be recomputed later (never dropped).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from jax_engine.page_pool import PagePool, chain_hashes
+from jax_engine.runner import ModelRunner
+from jax_engine.sequence import Request, Sequence, SeqState
+from jax_engine.types import GenerateOutput, TokenLogprob
+
+log = logging.getLogger("xlaserve.scheduler")
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, pool: PagePool, eos_ids: set[int], max_model_len: int, name: str):
+        self.runner, self.pool, self.eos_ids, self.max_model_len = runner, pool, eos_ids, max_model_len
+        self.name = name
+        rc = runner.rc
+        self.max_running = rc.max_running
+        self.budget = rc.max_batched_tokens
+        self.page_size = rc.page_size
+        self.free_slots = list(range(rc.max_running - 1, -1, -1))
+        self.waiting: list[Sequence] = []
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self._control: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self.thread: Optional[threading.Thread] = None
+        self.failed: Optional[str] = None
+        # statistics
+        self.preemptions = 0
+        self.total_prompt_tokens = 0
+        self.total_generated_tokens = 0
+        self._tp_window: deque = deque()   # (time, prefill_tokens, decode_tokens)
+        self.last_progress = time.monotonic()
+
+    # ------------------------------------------------------------------ thread API
+    def start(self) -> None:
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name=f"scheduler-{self.name}", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Finish in-flight work (up to timeout), then abort the rest and join."""
+        deadline = time.monotonic() + timeout
+        while self.load() > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for rid in list(self.requests):
+            self.abort(rid)
+        self._stop = True
+        self._wake.set()
+        if self.thread is not None:
+            self.thread.join(timeout=max(1.0, timeout))
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and self.failed is None
+
+    def submit(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._control.put(("add", req))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._control.put(("abort", request_id))
+        self._wake.set()
+        return True
+
+    def load(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        while not self._stop:
+            if not (self.waiting or self.prefilling or self.running) and self._control.empty():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                self.last_progress = time.monotonic()
+                continue
+            try:
+                self._drain_control()
+                self.step()
+            except Exception as e:  # pragma: no cover - last-resort guard; step() contains its own
+                log.exception("scheduler %s crashed", self.name)
+                self.failed = repr(e)
+                for rid in list(self.requests):
+                    self._finish_request(self.requests[rid], "error", f"engine failure: {e}")
+                return
+            self.last_progress = time.monotonic()
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                kind, arg = self._control.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                req: Request = arg
+                if req.aborted:
+                    continue
+                leader = req.seqs[0]
+                leader.followers = req.seqs[1:]
+                for f in leader.followers:
+                    f.leader = leader
+                self.waiting.append(leader)
+            elif kind == "abort":
+                req = self.requests.get(arg)
+                if req is not None:
+                    self._finish_request(req, "abort", None)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        self._admit()
+        budget = self.budget - len(self.running)
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(seq, budget)
+        if self.running:
+            self._decode()
+
+    def _rows_in_use(self) -> int:
+        return len(self.running) + sum(1 + len(s.followers) for s in self.prefilling)
+
+    def _admit(self) -> None:
+        ps = self.page_size
+        while self.waiting:
+            self.waiting.sort(key=lambda s: (s.req.sort_key(), s.index))
+            seq = self.waiting[0]
+            group = [seq] + seq.followers
+            if self._rows_in_use() + len(group) > self.max_running or len(self.free_slots) < len(group):
+                return
+            target = seq.target_computed
+            use_cache = seq.req.params.prompt_logprobs_start is None
+            hashes = chain_hashes(seq.tokens[: max(0, target - 1)], ps) if use_cache else []
+            matched = self.pool.match(hashes)
+            extra = len(seq.followers) if len(seq.req.prompt_ids) % ps else 0
+            need = math.ceil(target / ps) - len(matched) + extra
+            if need > self.pool.num_free():
+                self.pool.release(matched)
+                if not (self.running or self.prefilling):
+                    if need > self.pool.usable:
+                        self.waiting.pop(0)
+                        self._finish_request(seq.req, "error",
+                                             f"request needs {need} KV pages but the pool has {self.pool.usable}")
+                        continue
+                return
+            self.waiting.pop(0)
+            seq.pages = matched + self.pool.allocate_many(math.ceil(target / ps) - len(matched))
+            seq.page_hashes = hashes[: len(matched)]
+            seq.num_computed = len(matched) * ps
+            if not seq.output_ids:
+                seq.cached_tokens = seq.num_computed
+                self.pool.hit_tokens += seq.num_computed
+                self.pool.miss_tokens += target - seq.num_computed
+            for f in seq.followers:         # the copy-on-write page each n>1 fork will need
+                f.pages = [self.pool.allocate()] if extra else []
+            for s in group:
+                s.slot = self.free_slots.pop()
+                self.runner.set_slot(s.slot, s.req.prompt_ids, s.output_ids)
+                s.state = SeqState.PREFILL
+            self.prefilling.append(seq)
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        target = seq.target_computed
+        start = seq.num_computed
+        n = min(target - start, budget, self.runner.token_buckets[-1])
+        toks = seq.tokens
+        finishing = start + n == target
+        first = finishing and not seq.output_ids
+        group = [seq] + seq.followers if first else []
+        p = seq.req.params
+        plp = p.prompt_logprobs_start is not None and not seq.output_ids
+        try:
+            out = self.runner.prefill(
+                toks[start:start + n], start, seq.pages,
+                [self._sampling_row(s) for s in group], [s.slot for s in group], plp,
+                next_tokens=toks[start + 1:start + n + 1] if plp else None)
+        except Exception as e:
+            self._step_failed([seq], e)
+            return n
+        seq.num_computed += n
+        self.total_prompt_tokens += n
+        self._record(prefill=n)
+        if plp:
+            self._collect_prompt_lps(seq, start, n, out[4], out[5], out[6])
+        self._register_pages(seq)
+        if not finishing:
+            return n
+        self.prefilling.remove(seq)
+        if not first:                       # recompute after preemption: resume decoding
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+            return n
+        tok, lp, top_v, top_i = out[:4]
+        for i, s in enumerate(group):
+            if s is not seq:
+                self._fork(seq, s)
+            s.state = SeqState.RUNNING
+            self.running.append(s)
+        seq.followers = []
+        for i, s in enumerate(group):
+            self._on_token(s, int(tok[i]), float(lp[i]), top_v[i], top_i[i])
+        return n
+
+    def _fork(self, leader: Sequence, s: Sequence) -> None:
+        """n > 1: share the leader's full prompt pages; copy the partial last page."""
+        ps = self.page_size
+        plen = len(leader.req.prompt_ids)
+        full = plen // ps
+        reserved = s.pages                  # allocated at admission
+        s.pages = list(leader.pages[:full])
+        for p in s.pages:
+            self.pool.incref(p)
+        if plen % ps:
+            self.runner.copy_page(leader.pages[full], reserved[0])
+            s.pages.append(reserved[0])
+        s.num_computed = leader.num_computed
+        s.cached_tokens = leader.cached_tokens
+        s.page_hashes = list(leader.page_hashes[:full])
+        s.leader = None
+
+    def _decode(self) -> None:
+        ps = self.page_size
+        # every running sequence needs the page holding position total_len - 1
+        for seq in sorted(self.running, key=lambda s: (s.req.arrival, s.index)):
+            if seq.state is not SeqState.RUNNING:
+                continue
+            while (seq.total_len - 1) // ps >= len(seq.pages):
+                page = self.pool.allocate()
+                if page is not None:
+                    seq.pages.append(page)
+                    continue
+                victim = max(self.running, key=lambda s: (s.req.arrival, s.index))
+                self._preempt(victim)
+                if victim is seq:
+                    break
+        rows, seqs = [], []
+        for seq in self.running:
+            pos = seq.total_len - 1
+            rows.append({"token": seq.tokens[-1], "position": pos,
+                         "kv_slot": seq.pages[pos // ps] * ps + pos % ps, "pages": seq.pages,
+                         "slot_id": seq.slot, "sampling": self._sampling_row(seq)})
+            seqs.append(seq)
+        if not rows:
+            return
+        greedy = all(s.req.params.temperature <= 0 for s in seqs)
+        try:
+            tok, lp, top_v, top_i = self.runner.decode(rows, greedy)
+        except Exception as e:
+            self._step_failed(seqs, e)
+            return
+        self._record(decode=len(seqs))
+        for i, seq in enumerate(seqs):
+            seq.num_computed = seq.total_len
+            self._on_token(seq, int(tok[i]), float(lp[i]), top_v[i], top_i[i])
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages, seq.page_hashes, seq.num_computed = [], [], 0
+        self.free_slots.append(seq.slot)
+        seq.slot = -1
+        seq.state = SeqState.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(seq)
+
+    # ------------------------------------------------------------------ tokens and outputs
+    def _sampling_row(self, s: Sequence) -> dict:
+        p = s.req.params
+        n_out = len(s.output_ids)
+        ban = []
+        if n_out < p.min_new_tokens:
+            ban = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
+        return {"temperature": p.temperature, "top_k": p.top_k if p.top_k > 0 else 0, "top_p": p.top_p,
+                "min_p": p.min_p, "rep_pen": p.repetition_penalty, "freq_pen": p.frequency_penalty,
+                "pres_pen": p.presence_penalty, "seeds": s.seed, "steps": n_out,
+                "bias": list(p.logit_bias.items()), "ban": ban}
+
+    def _on_token(self, seq: Sequence, tok: int, lp: float, top_v, top_i) -> None:
+        req, p = seq.req, seq.req.params
+        seq.output_ids.append(tok)
+        self.total_generated_tokens += 1
+        finish, matched = None, None
+        stop_str = seq.detok.add(tok) if seq.detok is not None else None
+        n_out = len(seq.output_ids)
+        if tok in p.stop_token_ids and n_out > p.min_new_tokens - 1:
+            finish, matched = "stop", tok
+        elif tok in self.eos_ids and not p.ignore_eos:
+            finish, matched = "stop", tok
+        elif stop_str is not None:
+            finish, matched = "stop", stop_str
+        elif n_out >= req.max_new_tokens or seq.total_len >= self.max_model_len:
+            finish = "length"
+        logprobs = None
+        if p.logprobs or p.top_logprobs:
+            top = [(int(top_i[j]), float(top_v[j])) for j in range(p.top_logprobs)]
+            logprobs = [TokenLogprob(tok, lp, top)]
+        out = self._output(seq, [tok], logprobs, finish is not None)
+        out.finish_reason, out.matched_stop = finish, matched
+        if finish is not None:
+            self._retire(seq)
+        req.sink(out)
+        if finish is not None:
+            self._maybe_forget(req)
+
+    def _output(self, seq: Sequence, toks: list[int], logprobs, final: bool) -> GenerateOutput:
+        out = GenerateOutput(
+            request_id=seq.req.request_id, index=seq.index, new_token_ids=toks,
+            new_text=seq.detok.take(final) if seq.detok is not None else "", logprobs=logprobs,
+            finished=final, prompt_tokens=len(seq.req.prompt_ids), completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.cached_tokens,
+        )
+        if seq.req.params.prompt_logprobs_start is not None and not seq.emitted_prompt_lp:
+            src = seq if seq.prompt_lps else seq.req.seqs[0]
+            out.prompt_logprobs = src.prompt_lps
+            seq.emitted_prompt_lp = True
+        return out
+
+    def _collect_prompt_lps(self, seq: Sequence, start: int, n: int, chosen, top_v, top_i) -> None:
+        p = seq.req.params
+        first = p.prompt_logprobs_start or 0
+        prompt = seq.req.prompt_ids
+        if start == 0 and first == 0:
+            seq.prompt_lps.append(None)     # the first prompt token has no logprob
+        for j in range(n):
+            pos = start + j + 1             # logprob of prompt[pos] given prompt[:pos]
+            if pos >= len(prompt):
+                break
+            if pos >= first:
+                top = [(int(top_i[j][m]), float(top_v[j][m])) for m in range(p.top_logprobs)]
+                seq.prompt_lps.append(TokenLogprob(prompt[pos], float(chosen[j]), top))
+
+    def _register_pages(self, seq: Sequence) -> None:
+        ps = self.page_size
+        full = seq.num_computed // ps
+        if full <= len(seq.page_hashes) or not self.pool.enable_prefix_cache:
+            return
+        hashes = chain_hashes(seq.tokens[: full * ps], ps)
+        for i in range(len(seq.page_hashes), full):
+            self.pool.register(seq.pages[i], hashes[i])
+        seq.page_hashes = hashes
+
+    def _retire(self, seq: Sequence) -> None:
+        """Return a finished sequence's pages (full ones stay in the prefix cache) and slot."""
+        if seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+        elif seq.state is SeqState.PREFILL and seq in self.prefilling:
+            self.prefilling.remove(seq)
+        elif seq.state is SeqState.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.pages:
+            self._register_pages(seq)
+            self.pool.release(seq.pages)
+            seq.pages = []
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+        seq.state = SeqState.FINISHED
+
+    def _finish_request(self, req: Request, reason: str, error: Optional[str]) -> None:
+        """End every unfinished sequence of `req` (abort or error)."""
+        req.aborted = True
+        for seq in req.seqs:
+            if seq.state is SeqState.FINISHED:
+                continue
+            leader = seq.leader
+            self._retire(seq)
+            if leader is not None and seq in leader.followers:
+                leader.followers.remove(seq)
+            out = self._output(seq, [], None, True)
+            out.finish_reason = reason
+            if error is not None:
+                out.error, out.error_kind = error, "internal"
+            req.sink(out)
+        self._maybe_forget(req)
+
+    def _maybe_forget(self, req: Request) -> None:
+        if all(s.state is SeqState.FINISHED for s in req.seqs):
+            self.requests.pop(req.request_id, None)
+
+    def _step_failed(self, seqs: list[Sequence], err: Exception) -> None:
+        """Fault containment: fail only the requests of the failed step and keep serving."""
+        log.error("model step failed on %s: %r", self.name, err)
+        reqs = {id(s.req): s.req for s in seqs}
+        if self.runner.state_lost():
+            # the donated KV cache went with the failed program: every admitted sequence lost its KV
+            for s in self.running + self.prefilling:
+                reqs[id(s.req)] = s.req
+            self.runner.reset_state()
+        for req in reqs.values():
+            self._finish_request(req, "error", f"model step failed: {err}")
+
+    # ------------------------------------------------------------------ stats
+    def _record(self, prefill: int = 0, decode: int = 0) -> None:
+        now = time.monotonic()
+        self._tp_window.append((now, prefill, decode))
+        while self._tp_window and now - self._tp_window[0][0] > 10.0:
+            self._tp_window.popleft()
+
+    def throughput(self) -> tuple[float, float]:
+        w = list(self._tp_window)
+        if len(w) < 2:
+            return 0.0, 0.0
+        span = max(1e-3, w[-1][0] - w[0][0])
+        return sum(x[1] for x in w) / span, sum(x[2] for x in w) / span

@@ -1,0 +1,142 @@
+"""Plain dataclasses that cross the engine boundary.
+
+Engine-level inputs carry *semantic* defaults (temperature 1.0, top_p 1.0, top_k off, ...).
+Each front converts its protocol's zero values explicitly before building these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # 1 = off
+    top_k: int = 0                    # 0 or -1 = off
+    min_p: float = 0.0                # 0 = off
+    repetition_penalty: float = 1.0   # 1 = off (HF/vLLM multiplicative rule)
+    frequency_penalty: float = 0.0    # OpenAI additive rule, counts over generated tokens
+    presence_penalty: float = 0.0
+    max_new_tokens: Optional[int] = None  # None = up to the context limit
+    min_new_tokens: int = 0           # EOS and stop tokens masked before this many tokens
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: Optional[int] = None        # None = a fresh random seed per request
+    n: int = 1
+    logprobs: bool = False            # logprob of each chosen token
+    top_logprobs: int = 0             # top-N alternatives per position (<= engine's static max)
+    prompt_logprobs_start: Optional[int] = None  # None = no prompt logprobs; else first position
+    skip_special_tokens: bool = True  # for the text the engine detokenizes
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_ids: Optional[list[int]] = None  # exactly one of prompt_ids / prompt
+    prompt: Optional[str] = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    model: Optional[str] = None             # None / "" = the default generation model
+    priority: int = 0                       # lower is served earlier (vLLM rule)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class GenerateOutput:
+    """One event of a generate stream. Events of the n>1 sequences interleave; `index` says which."""
+
+    request_id: str
+    index: int = 0
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    logprobs: Optional[list[TokenLogprob]] = None            # one per new token, when asked
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # first event only; None for pos 0
+    finished: bool = False
+    finish_reason: Optional[str] = None   # "stop" | "length" | "abort" | "error"
+    matched_stop: Optional[Union[int, str]] = None  # token id or stop string
+    prompt_tokens: int = 0
+    completion_tokens: int = 0            # cumulative for this index
+    cached_tokens: int = 0
+    error: Optional[str] = None           # set with finish_reason "error"
+    error_kind: Optional[str] = None      # EngineError.kind of the failure
+
+
+@dataclass
+class EmbedRequest:
+    request_id: str
+    texts: Optional[list[str]] = None
+    token_ids: Optional[list[list[int]]] = None
+    pairs: Optional[list[tuple[str, str]]] = None   # cross-encoder (query, document) pairs
+    token_type_ids: Optional[list[list[int]]] = None
+    model: Optional[str] = None
+    normalize: Optional[bool] = None    # None = the model's own pooling config
+    truncate: bool = True               # texts longer than the context are truncated (TEI default)
+    priority: int = 0
+
+
+@dataclass
+class EmbedOutput:
+    request_id: str
+    embeddings: Optional[np.ndarray] = None   # [n, dim] float32, request order
+    scores: Optional[np.ndarray] = None       # [n, num_labels] for cross-encoders
+    prompt_tokens: int = 0
+    token_counts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: str
+    tokenizer_path: str
+    task: str                 # "generate" | "embed" | "classify"
+    architecture: str
+    model_type: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    num_params: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    id2label: dict[int, str] = field(default_factory=dict)
+    hidden_size: int = 0
+    embedding_dim: int = 0
+    tp: int = 1
+    replicas: int = 1
+    page_size: int = 0
+    quantization: str = "none"
+    random_weights: bool = False   # the bundled demo generator
+    ready: bool = False
+    state: str = "built"           # built | running | stopped
+
+
+@dataclass
+class ModelStats:
+    name: str
+    running_requests: int = 0
+    waiting_requests: int = 0
+    pages_total: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    page_size: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    total_prompt_tokens: int = 0
+    total_generated_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_miss_tokens: int = 0
+    compilations_after_warmup: int = 0
+    max_running_requests: int = 0
+    preemptions: int = 0
+    replicas: list["ModelStats"] = field(default_factory=list)

@@ -1,0 +1,5 @@
+import sys
+
+from weights_convert.convert import main
+
+sys.exit(main())
