@@ -72,18 +72,22 @@ class Engine:
         self.compile_cache_dir = enable_persistent_cache(args.compile_cache_dir)
 
     # ---------------------------------------------------------------- lifecycle
-    def load_all(self, progress: bool = True) -> None:
-        """Load, warm up and start every model in `args.models` (blocking)."""
+    def load_all(self, progress: bool = True, warmup: bool = True) -> None:
+        """Load, warm up and start every model in `args.models` (blocking).
+
+        warmup=False compiles programs on first use instead (tests that only need a few shapes).
+        """
         for spec in self.args.models:
-            self.load_model_sync(spec, progress=progress)
+            self.load_model_sync(spec, progress=progress, warmup=warmup)
             self.start_model_sync(spec.name)
         self._loaded = True
 
-    def load_model_sync(self, spec: ModelSpec, progress: bool = True) -> ModelInfo:
+    def load_model_sync(self, spec: ModelSpec, progress: bool = True, warmup: bool = True) -> ModelInfo:
         if spec.name in self._workers:
             raise InvalidRequest(f"model {spec.name!r} is already loaded")
         worker = _make_worker(spec, self.args)
-        worker.warmup(progress=progress)
+        if warmup:
+            worker.warmup(progress=progress)
         with self._lock:
             self._workers[spec.name] = worker
         return worker.info

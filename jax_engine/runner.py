@@ -176,8 +176,7 @@ class ModelRunner:
         return exe(*args)
 
     # ------------------------------------------------------------------ steps
-    def decode(self, rows: list[dict], greedy: bool) -> tuple[np.ndarray, ...]:
-        """rows: dicts with token, position, slot (KV slot), pages, slot_id, and sampling fields."""
+    def _decode_args(self, rows: list[dict], greedy: bool) -> tuple[str, tuple, tuple]:
         n = len(rows)
         B = pick(self.batch_buckets, n)
         Pb = pick(self.page_buckets, max(len(r["pages"]) for r in rows))
@@ -194,12 +193,16 @@ class ModelRunner:
             slot_ids[i] = r["slot_id"]
         sa = self._sa([r["sampling"] for r in rows], B)
         args = (self.params, self.state, *self._put(tokens, positions, slots, table, kv_lens, slot_ids), sa)
-        out, self.state = self._run("decode_greedy" if greedy else "decode_sample", (B, Pb), args)
-        return tuple(np.asarray(x)[:n] for x in out)
+        return ("decode_greedy" if greedy else "decode_sample"), (B, Pb), args
 
-    def prefill(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
-                slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]] = None) -> tuple[np.ndarray, ...]:
-        """Compute KV for tokens at positions start..start+len-1 and sample len(sample_rows) rows."""
+    def decode(self, rows: list[dict], greedy: bool) -> tuple[np.ndarray, ...]:
+        """rows: dicts with token, position, kv_slot, pages, slot_id and a sampling row."""
+        prog, key, args = self._decode_args(rows, greedy)
+        out, self.state = self._run(prog, key, args)
+        return tuple(np.asarray(x)[:len(rows)] for x in out)
+
+    def _prefill_args(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
+                      slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]]) -> tuple[str, tuple, tuple]:
         n = len(tokens)
         T = pick(self.token_buckets, n)
         kv_len = start + n
@@ -220,30 +223,42 @@ class ModelRunner:
         nxt = np.zeros(T, np.int32)
         if next_tokens is not None:
             nxt[:len(next_tokens)] = next_tokens
-        rows = list(sample_rows) + [None] * (R - len(sample_rows))
-        sa = self._sa(rows, R)
+        sa = self._sa(list(sample_rows) + [None] * (R - len(sample_rows)), R)
         args = (self.params, self.state, *self._put(tok, pos, slots, row, np.int32(kv_len), np.int32(n - 1), sid),
                 sa, self._put(nxt)[0])
-        out, self.state = self._run("prefill_plp" if prompt_lp else "prefill", (T, Pb), args)
+        return ("prefill_plp" if prompt_lp else "prefill"), (T, Pb), args
+
+    def prefill(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
+                slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]] = None) -> tuple[np.ndarray, ...]:
+        """KV for tokens at positions start.. (one sequence); samples len(sample_rows) rows from the last.
+
+        With prompt_lp it also returns, per position t, the logprob (and top-N) of next_tokens[t].
+        """
+        prog, key, args = self._prefill_args(tokens, start, pages, sample_rows, slot_ids, prompt_lp, next_tokens)
+        out, self.state = self._run(prog, key, args)
         k = len(sample_rows)
         res = tuple(np.asarray(x)[:k] for x in out[:4])
         if prompt_lp:
-            res = res + tuple(np.asarray(x)[:n] for x in out[4:])
+            res = res + tuple(np.asarray(x)[:len(tokens)] for x in out[4:])
         return res
 
     def copy_page(self, src: int, dst: int) -> None:
-        args = (self.state, *self._put(np.int32(src), np.int32(dst)))
-        self.state = self._run("copy_page", (), args)
+        self.state = self._run("copy_page", (), self._copy_args(src, dst))
+
+    def _copy_args(self, src: int, dst: int) -> tuple:
+        return (self.state, *self._put(np.int32(src), np.int32(dst)))
 
     def set_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        self.state = self._run("set_slot", (), self._slot_args(slot, prompt_ids, output_ids))
+
+    def _slot_args(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> tuple:
         L = self.rc.max_model_len
         V = self.cfg.vocab_size
         pi = np.full(L, V, np.int32)
         pi[:min(len(prompt_ids), L)] = prompt_ids[:L]
         oi = np.full(L, V, np.int32)
         oi[:min(len(output_ids), L)] = output_ids[:L]
-        args = (self.state, *self._put(np.int32(slot), pi, oi))
-        self.state = self._run("set_slot", (), args)
+        return (self.state, *self._put(np.int32(slot), pi, oi))
 
     # ------------------------------------------------------------------ warmup
     def all_keys(self) -> list[tuple[str, tuple]]:
@@ -256,26 +271,37 @@ class ModelRunner:
                      if 2 * Pb * self.rc.page_size > T or T == self.token_buckets[0]]
         return keys + [("copy_page", ()), ("set_slot", ())]
 
+    def _example(self, prog: str, key: tuple) -> tuple:
+        """Arguments with the exact shapes the serving path builds for (prog, key)."""
+        ps = self.rc.page_size
+        if prog.startswith("decode"):
+            B, Pb = key
+            rows = [{"token": 0, "position": 0, "kv_slot": 0, "pages": [0] * Pb, "slot_id": self.dummy_slot,
+                     "sampling": None}] * B
+            got = self._decode_args(rows, prog == "decode_greedy")
+        elif prog.startswith("prefill"):
+            T, Pb = key
+            n = min(T, Pb * ps)
+            got = self._prefill_args([0] * n, Pb * ps - n, [0] * Pb, [None], [self.dummy_slot],
+                                     prog == "prefill_plp", None)
+        elif prog == "copy_page":
+            return self._copy_args(0, 0)
+        else:
+            return self._slot_args(self.dummy_slot, [], [])
+        assert got[:2] == (prog, key), (got[:2], prog, key)
+        return got[2]
+
     def warmup(self, progress: bool = True) -> None:
-        """Compile every program for every bucket by running it on dummy inputs (page 0 only)."""
+        """Compile every program for every bucket, a few at a time (XLA releases the GIL)."""
+        import os
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
         from tqdm import tqdm
 
         keys = self.all_keys()
-        bar = tqdm(keys, desc="compiling decoder programs", disable=not progress, unit="prog")
-        for prog, key in bar:
-            if prog.startswith("decode"):
-                B, Pb = key
-                rows = [{"token": 0, "position": 0, "kv_slot": 0, "pages": [0] * Pb, "slot_id": self.dummy_slot,
-                         "sampling": None}] * B
-                self.decode(rows, greedy=prog == "decode_greedy")
-            elif prog.startswith("prefill"):
-                T, Pb = key
-                n = min(T, Pb * self.rc.page_size)
-                self.prefill([0] * n, Pb * self.rc.page_size - n, [0] * Pb, [None], [self.dummy_slot],
-                             prompt_lp=prog == "prefill_plp")
-            elif prog == "copy_page":
-                self.copy_page(0, 0)
-            else:
-                self.set_slot(self.dummy_slot, [], [])
-        # dummy runs wrote garbage into the dummy penalty row and page 0; both are scratch by design
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            futs = [pool.submit(self.programs.compile, prog, key, self._example(prog, key)) for prog, key in keys]
+            for f in tqdm(as_completed(futs), total=len(futs), desc="compiling decoder programs",
+                          disable=not progress, unit="prog"):
+                f.result()
         self.programs.warm = True

@@ -1,0 +1,62 @@
+"""Tiny random decoders built with `transformers` (fixed seed) and saved as safetensors."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from jax_engine.demo_model import write_tokenizer
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def family_config(family: str):
+    import transformers as tf
+
+    if family == "llama3":
+        return tf.LlamaConfig(**TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                              rope_theta=500000.0)
+    if family == "mistral":
+        return tf.MistralConfig(**TINY, sliding_window=24)     # shorter than the test prompts
+    if family == "qwen2":
+        return tf.Qwen2Config(**TINY)
+    if family == "qwen3":
+        return tf.Qwen3Config(**{**TINY, "head_dim": 32})
+    if family == "llama_tied":
+        return tf.LlamaConfig(**TINY, tie_word_embeddings=True)
+    raise ValueError(family)
+
+
+def build(family: str, path: str, seed: int = 0):
+    """Write the model + a byte-level tokenizer to `path`; returns the torch model (eval, fp32)."""
+    import transformers as tf
+
+    cfg = family_config(family)
+    ids = write_tokenizer(path, cfg.vocab_size)
+    cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = ids["<|eos|>"], ids["<|bos|>"], ids["<|pad|>"]
+    torch.manual_seed(seed)
+    cls = {"llama3": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+           "qwen3": tf.Qwen3ForCausalLM, "llama_tied": tf.LlamaForCausalLM}[family]
+    model = cls(cfg).eval()
+    if family == "qwen2":   # Qwen2 has QKV biases; make them non-zero so they are tested
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(model, prompt: list[int]):
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().numpy()
