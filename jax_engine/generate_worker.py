@@ -28,7 +28,7 @@ from jax_engine.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
 from jax_engine.scheduler import Scheduler
 from jax_engine.sequence import Request, Sequence
 from jax_engine.types import GenerateOutput, GenerateRequest, ModelInfo, ModelStats
-from weights_convert.hf import CheckpointReader, read_config
+from weights_convert.hf import CheckpointError, CheckpointReader, read_config
 
 log = logging.getLogger("xlaserve.generate")
 
@@ -56,7 +56,6 @@ def make_meshes(tp: int, replicas: int) -> list[Optional[Mesh]]:
 
 class GenerateWorker:
     def __init__(self, spec: ModelSpec, args: EngineArgs):
-        from transformers import AutoTokenizer
         from tqdm import tqdm
 
         self.spec, self.args = spec, args
@@ -85,7 +84,7 @@ class GenerateWorker:
         self.page_size = spec.page_size or args.page_size
         max_running = spec.max_running_requests or args.max_running_requests
         max_tokens = spec.max_num_batched_tokens or args.max_num_batched_tokens
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+        self.tokenizer = load_tokenizer(spec.path)
         self.eos_ids = set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.meshes = make_meshes(tp, replicas)
         self.replicas: list[Scheduler] = []
@@ -275,6 +274,16 @@ class GenerateWorker:
                   "max_running_requests", "preemptions"):
             setattr(tot, f, sum(getattr(x, f) for x in per))
         return tot
+
+
+def load_tokenizer(path: str):
+    """The folder's HF tokenizer (local files only), with a clear error when it is missing."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}") from e
 
 
 def _finite(v: float, name: str, lo: float, hi: float) -> None:
