@@ -41,6 +41,12 @@ def write_tokenizer(path: str, vocab_size: int = 512) -> dict[str, int]:
         "the quick brown fox jumps over the lazy dog. hello world! serving models with jax and xla.",
         "a man is eating food. a man is eating a piece of bread. the weather is nice today.",
     ] * 8
+    # deterministic pseudo-words so the merges fill the whole vocabulary
+    rng = np.random.default_rng(1234)
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    p = np.linspace(2.0, 0.2, len(letters))
+    corpus += [" ".join("".join(rng.choice(letters, size=rng.integers(2, 9), p=p / p.sum()))
+                        for _ in range(12)) for _ in range(400)]
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",

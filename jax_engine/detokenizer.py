@@ -23,6 +23,7 @@ class IncrementalDetokenizer:
         self.text = ""          # all decoded output text
         self.emitted = 0        # chars of `text` already handed out
         self._hold = max((len(s) for s in stops), default=1) - 1
+        self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
@@ -47,11 +48,17 @@ class IncrementalDetokenizer:
                 if best is not None:
                     i, s = best
                     self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+                    self.stopped = True
                     return s
         return None
 
     def take(self, final: bool) -> str:
-        """New text safe to emit (all of it when `final`)."""
+        """New text safe to emit (all of it when `final`, incomplete UTF-8 included)."""
+        if final and not self.stopped and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            self.text += full[len(prefix):]
+            self.read_offset = len(self.ids)
         end = len(self.text) if final or not self.stops else max(self.emitted, len(self.text) - self._hold)
         out = self.text[self.emitted:end]
         self.emitted = end

@@ -319,7 +319,7 @@ class Scheduler:
         out.finish_reason, out.matched_stop = finish, matched
         if finish is not None:
             self._retire(seq)
-        req.sink(out)
+        self._emit(req, out)
         if finish is not None:
             self._maybe_forget(req)
 
@@ -391,8 +391,17 @@ class Scheduler:
             out.finish_reason = reason
             if error is not None:
                 out.error, out.error_kind = error, "internal"
-            req.sink(out)
+            self._emit(req, out)
         self._maybe_forget(req)
+
+    def _emit(self, req: Request, out: GenerateOutput) -> None:
+        """Hand an output to the request's consumer; a consumer that is gone aborts the request."""
+        try:
+            req.sink(out)
+        except Exception:
+            if not req.aborted:
+                req.aborted = True
+                self._control.put(("abort", req.request_id))
 
     def _maybe_forget(self, req: Request) -> None:
         if all(s.state is SeqState.FINISHED for s in req.seqs):

@@ -1,0 +1,375 @@
+"""Scheduler behaviour through the Engine interface with a tiny real decoder."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.demo_model import build_demo_generator, llama_config
+from jax_engine.engine import Engine
+from jax_engine.errors import InvalidRequest, Overloaded
+from jax_engine.types import GenerateRequest, SamplingParams
+
+PS = 8
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def make_engine(path: str, warmup: bool = True, **kw) -> Engine:
+    args = dict(max_running_requests=8, max_num_batched_tokens=64, max_model_len=128, page_size=PS,
+                max_waiting_requests=256)
+    args.update(kw)
+    eng = Engine(EngineArgs(models=[ModelSpec(name="gen", path=path)], **args))
+    eng.load_all(progress=False, warmup=warmup)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("demo"))
+    build_demo_generator(path, config=llama_config(**TINY, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = make_engine(model_dir)
+    yield eng
+    eng.shutdown()
+
+
+async def run(engine: Engine, prompt, **params) -> dict:
+    """Collect one request's events into tokens / text / final info per index."""
+    req = GenerateRequest(request_id=params.pop("request_id", ""), prompt_ids=prompt if isinstance(prompt, list) else None,
+                          prompt=prompt if isinstance(prompt, str) else None, params=SamplingParams(**params))
+    res: dict = {}
+    async for o in engine.generate(req):
+        r = res.setdefault(o.index, {"tokens": [], "text": "", "logprobs": [], "final": None})
+        r["tokens"] += o.new_token_ids
+        r["text"] += o.new_text
+        r["logprobs"] += o.logprobs or []
+        if o.prompt_logprobs is not None:
+            r["prompt_logprobs"] = o.prompt_logprobs
+        if o.finished:
+            r["final"] = o
+    return res
+
+
+def greedy(prompt, new_tokens, **kw):
+    return dict(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True, **kw)
+
+
+def test_concurrent_greedy_equals_sequential(engine):
+    rng = random.Random(0)
+    reqs = [([rng.randrange(10, 500) for _ in range(rng.randrange(1, 40))], rng.randrange(1, 24)) for _ in range(64)]
+
+    async def main():
+        seq = [await run(engine, p, **greedy(p, n)) for p, n in reqs[:16]]
+        conc = await asyncio.gather(*[run(engine, p, **greedy(p, n)) for p, n in reqs])
+        return seq, conc
+
+    seq, conc = asyncio.run(main())
+    for (p, n), a, b in zip(reqs, seq, conc):
+        assert a[0]["tokens"] == b[0]["tokens"]
+    for (p, n), b in zip(reqs, conc):
+        assert len(b[0]["tokens"]) == n and b[0]["final"].finish_reason == "length"
+    # the remaining 48 against one-at-a-time runs too
+    rest = asyncio.run(_sequential(engine, reqs[16:]))
+    for a, b in zip(rest, conc[16:]):
+        assert a[0]["tokens"] == b[0]["tokens"]
+
+
+async def _sequential(engine, reqs):
+    return [await run(engine, p, **greedy(p, n)) for p, n in reqs]
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(engine):
+    p = [5, 6, 7, 8]
+    kw = dict(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=1234)
+
+    async def main():
+        alone = await run(engine, p, **kw)
+        noise = [run(engine, [9 + i] * (3 + i), temperature=0.8, max_new_tokens=12, seed=i) for i in range(5)]
+        together = (await asyncio.gather(run(engine, p, **kw), *noise))[0]
+        other_seed = await run(engine, p, **{**kw, "seed": 99})
+        return alone, together, other_seed
+
+    alone, together, other = asyncio.run(main())
+    assert alone[0]["tokens"] == together[0]["tokens"]
+    assert alone[0]["tokens"] != other[0]["tokens"]
+
+
+def test_top_k_one_is_greedy_and_filters_restrict_support(engine):
+    p = [20, 21, 22]
+
+    async def main():
+        g = await run(engine, p, **greedy(p, 8))
+        k1 = await run(engine, p, temperature=1.5, top_k=1, max_new_tokens=8, ignore_eos=True, seed=7)
+        lp = await run(engine, p, temperature=0.0, max_new_tokens=1, top_logprobs=5, logprobs=True)
+        draws = {}
+        # a peaked distribution with known shares: 10 > 9.5 > 9 (about 0.50 / 0.30 / 0.18 of the mass)
+        peak = {101: 10.0, 102: 9.5, 103: 9.0}
+        for name, extra in [("k3", dict(top_k=3)), ("p", dict(top_p=0.4, logit_bias=peak)),
+                            ("minp", dict(min_p=0.5, logit_bias=peak)), ("peak", dict(logit_bias=peak))]:
+            outs = await asyncio.gather(*[run(engine, p, temperature=1.0, max_new_tokens=1, seed=s, **extra)
+                                          for s in range(40)])
+            draws[name] = {o[0]["tokens"][0] for o in outs}
+        free = await asyncio.gather(*[run(engine, p, temperature=5.0, max_new_tokens=1, seed=s) for s in range(40)])
+        return g, k1, lp, draws, {o[0]["tokens"][0] for o in free}
+
+    g, k1, lp, draws, free = asyncio.run(main())
+    assert k1[0]["tokens"] == g[0]["tokens"]
+    top = [t for t, _ in lp[0]["logprobs"][0].top]
+    assert draws["k3"] <= set(top[:3]) and len(draws["k3"]) >= 2
+    assert draws["p"] == {101}             # 101 alone holds more than 40% of the mass
+    assert draws["minp"] == {101, 102}     # 103 is below half of 101's probability
+    assert {101, 102, 103} <= draws["peak"]
+    assert len(free) > 10                  # unrestricted sampling at high temperature spreads widely
+
+
+def test_logit_bias_forces_token(engine):
+    out = asyncio.run(run(engine, [3, 4, 5], temperature=1.0, max_new_tokens=6, ignore_eos=True,
+                          logit_bias={321: 100.0}, seed=1))
+    assert out[0]["tokens"] == [321] * 6
+
+
+def test_penalties_match_transformers_processors():
+    import torch
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    import jax.numpy as jnp
+
+    from jax_engine import sampling
+
+    rng = np.random.default_rng(0)
+    V, R = 50, 3
+    logits = rng.standard_normal((R, V)).astype(np.float32) * 3
+    prompt = [[1, 2, 3], [4, 4], [7]]
+    output = [[3, 5, 5], [9], []]
+    counts = np.zeros((R, V), np.int32)
+    pm = np.zeros((R, V), bool)
+    for i in range(R):
+        pm[i, prompt[i]] = True
+        for t in output[i]:
+            counts[i, t] += 1
+    rows = [{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "rep_pen": 1.3, "freq_pen": 0.5,
+             "pres_pen": 0.25, "seeds": 0, "steps": 0, "bias": [], "ban": []}] * R
+    sa = sampling.SamplingArrays(**{k: jnp.asarray(v) for k, v in sampling.host_arrays(rows, R, 4, 4).items()})
+    ours = np.asarray(sampling.process_logits(jnp.asarray(logits), sa, jnp.asarray(counts), jnp.asarray(pm)))
+    for i in range(R):
+        ids = torch.tensor([prompt[i] + output[i]])
+        ref = RepetitionPenaltyLogitsProcessor(1.3)(ids, torch.tensor(logits[i:i + 1])).numpy()[0]
+        ref = ref - 0.5 * counts[i] - 0.25 * (counts[i] > 0)   # OpenAI frequency / presence formula
+        np.testing.assert_allclose(ours[i], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_stop_conditions_and_finish_reasons(engine, model_dir):
+    p = "the quick brown fox"
+
+    async def main():
+        base = await run(engine, p, **greedy(p, 24))
+        return base
+
+    base = asyncio.run(main())[0]
+    tok = engine.tokenizer("gen")
+    ids, text = base["tokens"], base["text"]
+    assert text == tok.decode(ids, skip_special_tokens=True)
+    lens = [len(tok.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids) + 1)]
+    # a 2-character stop string made of the last char of token i-1 and the first of token i
+    cut = None
+    for i in range(2, len(ids) - 1):
+        if lens[i] > lens[i - 1] and lens[i + 1] > lens[i] and text.find(text[lens[i] - 1:lens[i] + 1]) == lens[i] - 1:
+            cut = i
+            break
+    assert cut is not None, "no usable token boundary in the sample output"
+    start = lens[cut] - 1
+    stop = text[start:start + 2]
+
+    async def more():
+        s = await run(engine, p, **greedy(p, 24, stop=[stop]))
+        s_inc = await run(engine, p, **greedy(p, 24, stop=[stop], include_stop_str_in_output=True))
+        tid = await run(engine, p, **greedy(p, 24, stop_token_ids=[base["tokens"][4]]))
+        eos = await run(engine, [5, 6], temperature=1.0, max_new_tokens=8, logit_bias={2: 100.0}, seed=0)
+        min_new = await run(engine, [5, 6], temperature=1.0, max_new_tokens=8, min_new_tokens=5,
+                            logit_bias={2: 100.0}, seed=0)
+        ign = await run(engine, [5, 6], temperature=1.0, max_new_tokens=8, ignore_eos=True,
+                        logit_bias={2: 100.0}, seed=0)
+        return s, s_inc, tid, eos, min_new, ign
+
+    s, s_inc, tid, eos, min_new, ign = asyncio.run(more())
+    f = s[0]["final"]
+    assert f.finish_reason == "stop" and f.matched_stop == stop
+    assert s[0]["text"] == text[:start] and s[0]["tokens"] == ids[:cut + 1]
+    assert s_inc[0]["text"] == text[:start] + stop
+    f = tid[0]["final"]
+    first = base["tokens"].index(base["tokens"][4])
+    assert f.finish_reason == "stop" and f.matched_stop == base["tokens"][4]
+    assert tid[0]["tokens"] == base["tokens"][:first + 1]
+    assert eos[0]["tokens"] == [2] and eos[0]["final"].matched_stop == 2
+    assert min_new[0]["tokens"][-1] == 2 and len(min_new[0]["tokens"]) == 6
+    assert 2 not in min_new[0]["tokens"][:5]
+    assert ign[0]["tokens"] == [2] * 8 and ign[0]["final"].finish_reason == "length"
+
+
+def test_logprobs_and_prompt_logprobs(engine):
+    p = list(range(30, 50))
+    out = asyncio.run(run(engine, p, **greedy(p, 4, logprobs=True, top_logprobs=3, prompt_logprobs_start=0)))[0]
+    assert len(out["logprobs"]) == 4
+    for lp, t in zip(out["logprobs"], out["tokens"]):
+        assert lp.token_id == t and lp.top[0][0] == t and abs(lp.top[0][1] - lp.logprob) < 1e-5
+        assert [v for _, v in lp.top] == sorted([v for _, v in lp.top], reverse=True)
+    pl = out["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(p)
+    assert [x.token_id for x in pl[1:]] == p[1:]
+    assert all(x.logprob <= 0 and len(x.top) == 3 for x in pl[1:])
+    out2 = asyncio.run(run(engine, p, **greedy(p, 1, prompt_logprobs_start=15)))[0]
+    assert [x.token_id for x in out2["prompt_logprobs"]] == p[15:]
+    assert abs(out2["prompt_logprobs"][0].logprob - pl[15].logprob) < 1e-5
+
+
+def test_n_sequences_share_prompt(engine):
+    p = list(range(40, 61))     # 21 tokens: 2 full pages + a partial one
+    out = asyncio.run(run(engine, p, temperature=1.0, max_new_tokens=10, n=3, seed=5, ignore_eos=True))
+    assert sorted(out) == [0, 1, 2]
+    assert len({tuple(out[i]["tokens"]) for i in out}) >= 2
+    g = asyncio.run(run(engine, p, **greedy(p, 10, n=2)))
+    assert g[0]["tokens"] == g[1]["tokens"] == asyncio.run(run(engine, p, **greedy(p, 10)))[0]["tokens"]
+    assert engine.stats("gen").pages_used == 0
+
+
+def test_prefix_cache_reuse(engine):
+    shared = list(range(100, 100 + 3 * PS))
+
+    async def main():
+        a = await run(engine, shared + [7, 8, 9], **greedy(None, 8))
+        b = await run(engine, shared + [7, 8, 9], **greedy(None, 8))
+        c = await run(engine, shared + [10, 11], **greedy(None, 8))
+        return a, b, c
+
+    hits0 = engine.stats("gen").prefix_cache_hit_tokens
+    a, b, c = asyncio.run(main())
+    assert b[0]["final"].cached_tokens == 3 * PS and c[0]["final"].cached_tokens == 3 * PS
+    assert a[0]["tokens"] == b[0]["tokens"]
+    assert engine.stats("gen").prefix_cache_hit_tokens - hits0 >= 6 * PS
+
+
+def test_tiny_pool_preempts_and_stays_correct(model_dir, engine):
+    rng = random.Random(1)
+    reqs = [([rng.randrange(10, 500) for _ in range(rng.randrange(5, 20))], 20) for _ in range(32)]
+    expected = asyncio.run(_sequential(engine, reqs))
+    small = make_engine(model_dir, warmup=False, num_pages=14, enable_prefix_cache=False)
+    try:
+        got = asyncio.run(_gather(small, reqs))
+        st = small.stats("gen")
+        assert st.preemptions > 0, "the pool was meant to be too small to hold all sequences"
+        for a, b in zip(expected, got):
+            assert a[0]["tokens"] == b[0]["tokens"]
+        assert st.pages_used == 0
+        # a pool that evicts cached pages under pressure stays correct too
+        evicting = make_engine(model_dir, warmup=False, num_pages=14, enable_prefix_cache=True)
+        got2 = asyncio.run(_gather(evicting, reqs + reqs[:8]))
+        for a, b in zip(expected + expected[:8], got2):
+            assert a[0]["tokens"] == b[0]["tokens"]
+        evicting.shutdown()
+    finally:
+        small.shutdown()
+
+
+async def _gather(engine, reqs):
+    return await asyncio.gather(*[run(engine, p, **greedy(p, n)) for p, n in reqs])
+
+
+def test_abort_and_abandon_return_pages(engine):
+    async def main():
+        req = GenerateRequest(request_id="abort-me", prompt_ids=list(range(10, 40)),
+                              params=SamplingParams(temperature=0, max_new_tokens=90, ignore_eos=True))
+        it = engine.generate(req)
+        first = await it.__anext__()
+        assert engine.abort("abort-me") is True
+        rest = [o async for o in it]
+        # an abandoned iterator aborts its request too
+        req2 = GenerateRequest(request_id="abandon", prompt_ids=list(range(10, 40)),
+                               params=SamplingParams(temperature=0, max_new_tokens=90, ignore_eos=True, n=2))
+        it2 = engine.generate(req2)
+        await it2.__anext__()
+        await it2.aclose()
+        for _ in range(200):
+            if engine.stats("gen").running_requests == 0:
+                break
+            await asyncio.sleep(0.01)
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert first.completion_tokens + sum(len(o.new_token_ids) for o in rest) < 90
+    st = engine.stats("gen")
+    assert st.pages_used == 0 and st.running_requests == 0 and st.waiting_requests == 0
+    assert engine.abort("unknown-id") is False
+
+
+def test_randomized_mix_compiles_nothing(engine):
+    rng = random.Random(3)
+
+    def params():
+        kw = dict(max_new_tokens=rng.randrange(1, 12), temperature=rng.choice([0.0, 0.7, 1.3]),
+                  ignore_eos=rng.random() < 0.5, seed=rng.randrange(1000))
+        if rng.random() < 0.3:
+            kw.update(top_k=rng.randrange(1, 20), top_p=rng.uniform(0.2, 1.0), min_p=rng.uniform(0, 0.2))
+        if rng.random() < 0.3:
+            kw.update(logprobs=True, top_logprobs=rng.randrange(0, 5))
+        if rng.random() < 0.2:
+            kw.update(n=rng.randrange(1, 4))
+        if rng.random() < 0.2:
+            kw.update(stop=["e", "th"], repetition_penalty=1.2, presence_penalty=0.5)
+        if rng.random() < 0.1:
+            kw.update(prompt_logprobs_start=0)
+        return kw
+
+    async def main():
+        jobs = [run(engine, [rng.randrange(10, 500) for _ in range(rng.randrange(1, 100))], **params())
+                for _ in range(200)]
+        return await asyncio.gather(*jobs)
+
+    outs = asyncio.run(main())
+    assert len(outs) == 200 and all(all(r["final"] is not None for r in o.values()) for o in outs)
+    assert engine.compilations_after_warmup() == 0
+
+
+def test_validation_and_overload(model_dir, engine):
+    async def expect(exc, match, prompt=None, **kw):
+        with pytest.raises(exc, match=match):
+            await run(engine, prompt if prompt is not None else [1, 2, 3], **kw)
+
+    async def main():
+        await expect(InvalidRequest, "prompt.*empty", prompt=[])
+        await expect(InvalidRequest, "out of range", prompt=[1, 99999])
+        await expect(InvalidRequest, "exceeds the context length 128", max_new_tokens=126)
+        await expect(InvalidRequest, "prompt: 200 tokens exceeds", prompt=[5] * 200)
+        await expect(InvalidRequest, "temperature", temperature=float("nan"))
+        await expect(InvalidRequest, "top_p", top_p=0.0)
+        await expect(InvalidRequest, "n: must be in", n=100)
+        await expect(InvalidRequest, "top_logprobs", top_logprobs=50)
+        await expect(InvalidRequest, "stop: 40 stop strings", stop=["x"] * 40)
+        await expect(InvalidRequest, "logit_bias", logit_bias={100000: 1.0})
+        await expect(InvalidRequest, "max_new_tokens: must be >= 1", max_new_tokens=0)
+    asyncio.run(main())
+
+    full = make_engine(model_dir, warmup=False, max_waiting_requests=2, max_running_requests=1)
+    try:
+        async def flood():
+            tasks = [asyncio.create_task(run(full, [1, 2, 3], request_id=f"r{i}", temperature=0.0,
+                                             max_new_tokens=120, ignore_eos=True)) for i in range(3)]
+            for _ in range(3):
+                await asyncio.sleep(0)      # each task submits on its first step
+            with pytest.raises(Overloaded, match="waiting queue is full"):
+                await run(full, [1, 2], max_new_tokens=2)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(flood())
+    finally:
+        full.shutdown()
