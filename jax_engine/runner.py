@@ -2,9 +2,9 @@
 
 Programs (each compiled ahead of time per bucket at warmup, looked up through ProgramCache):
   decode_{greedy,sample}[B, P]  one token for each of B rows, with sampling fused in
-  prefill{,_plp}[T, P]          a chunk of T tokens of one sequence; samples up to R = max_n
-                                rows from its last position (n > 1 children); `_plp` also
-                                returns prompt logprobs for every position
+  prefill[T, P]                 a chunk of T tokens of one sequence; samples up to R = max_n
+                                rows from its last position (n > 1 children), returns hidden states
+  prompt_logprobs[T]            logprobs of the next prompt token at every position of a chunk
   copy_page                     copy-on-write of a partially filled page for n > 1 forks
   set_slot                      (re)initialise a row of the penalty state
 Device state (donated into every program, so it is updated in place):
@@ -125,8 +125,7 @@ class ModelRunner:
             counts = state["counts"].at[slot_ids, tok].add(1)
             return (tok, chosen, top_v, top_i), {"k": k, "v": v, "counts": counts, "pm": state["pm"]}
 
-        def prefill(params, state, tokens, positions, slots, page_row, kv_len, last_idx, slot_ids, sa,
-                    next_tokens, *, plp):
+        def prefill(params, state, tokens, positions, slots, page_row, kv_len, last_idx, slot_ids, sa):
             h, k, v = llama.forward(params, cfg, state["k"], state["v"],
                                     StepInputs(tokens[None], positions[None], slots[None], page_row[None], kv_len[None]), ps)
             R = slot_ids.shape[0]
@@ -135,11 +134,11 @@ class ModelRunner:
             tok = sampling.sample(logits, sa)
             chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
             counts = state["counts"].at[slot_ids, tok].add(1)
-            out = (tok, chosen, top_v, top_i)
-            if plp:
-                all_raw = llama.lm_head(params, cfg, h[0])
-                out = out + sampling.logprobs_of(all_raw, next_tokens, top_n)
-            return out, {"k": k, "v": v, "counts": counts, "pm": state["pm"]}
+            return (tok, chosen, top_v, top_i, h[0]), {"k": k, "v": v, "counts": counts, "pm": state["pm"]}
+
+        def prompt_logprobs(params, h, next_tokens):
+            """Logprob (and top-N) of next_tokens[t] after position t, from the chunk's hidden states."""
+            return sampling.logprobs_of(llama.lm_head(params, cfg, h), next_tokens, top_n)
 
         def copy_page(state, src, dst):
             def cp(buf):
@@ -156,8 +155,8 @@ class ModelRunner:
         d = dict(donate_argnums=(1,))
         self.programs.register("decode_greedy", jax.jit(functools.partial(decode, mode="greedy"), **d))
         self.programs.register("decode_sample", jax.jit(functools.partial(decode, mode="sample"), **d))
-        self.programs.register("prefill", jax.jit(functools.partial(prefill, plp=False), **d))
-        self.programs.register("prefill_plp", jax.jit(functools.partial(prefill, plp=True), **d))
+        self.programs.register("prefill", jax.jit(prefill, **d))
+        self.programs.register("prompt_logprobs", jax.jit(prompt_logprobs))
         self.programs.register("copy_page", jax.jit(copy_page, donate_argnums=(0,)))
         self.programs.register("set_slot", jax.jit(set_slot, donate_argnums=(0,)))
 
@@ -202,7 +201,7 @@ class ModelRunner:
         return tuple(np.asarray(x)[:len(rows)] for x in out)
 
     def _prefill_args(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
-                      slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]]) -> tuple[str, tuple, tuple]:
+                      slot_ids: list[int]) -> tuple[str, tuple, tuple]:
         n = len(tokens)
         T = pick(self.token_buckets, n)
         kv_len = start + n
@@ -220,13 +219,9 @@ class ModelRunner:
         R = self.rc.max_n
         sid = np.full(R, self.dummy_slot, np.int32)
         sid[:len(slot_ids)] = slot_ids
-        nxt = np.zeros(T, np.int32)
-        if next_tokens is not None:
-            nxt[:len(next_tokens)] = next_tokens
         sa = self._sa(list(sample_rows) + [None] * (R - len(sample_rows)), R)
-        args = (self.params, self.state, *self._put(tok, pos, slots, row, np.int32(kv_len), np.int32(n - 1), sid),
-                sa, self._put(nxt)[0])
-        return ("prefill_plp" if prompt_lp else "prefill"), (T, Pb), args
+        args = (self.params, self.state, *self._put(tok, pos, slots, row, np.int32(kv_len), np.int32(n - 1), sid), sa)
+        return "prefill", (T, Pb), args
 
     def prefill(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
                 slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]] = None) -> tuple[np.ndarray, ...]:
@@ -234,13 +229,21 @@ class ModelRunner:
 
         With prompt_lp it also returns, per position t, the logprob (and top-N) of next_tokens[t].
         """
-        prog, key, args = self._prefill_args(tokens, start, pages, sample_rows, slot_ids, prompt_lp, next_tokens)
+        prog, key, args = self._prefill_args(tokens, start, pages, sample_rows, slot_ids)
         out, self.state = self._run(prog, key, args)
         k = len(sample_rows)
         res = tuple(np.asarray(x)[:k] for x in out[:4])
         if prompt_lp:
-            res = res + tuple(np.asarray(x)[:len(tokens)] for x in out[4:])
+            res = res + tuple(np.asarray(x)[:len(tokens)] for x in self._prompt_lp(out[4], next_tokens or []))
         return res
+
+    def _prompt_lp_args(self, h: jax.Array, next_tokens: list[int]) -> tuple:
+        nxt = np.zeros(h.shape[0], np.int32)
+        nxt[:len(next_tokens)] = next_tokens
+        return (self.params, jax.device_put(h, self._replicated), self._put(nxt)[0])
+
+    def _prompt_lp(self, h: jax.Array, next_tokens: list[int]):
+        return self._run("prompt_logprobs", (h.shape[0],), self._prompt_lp_args(h, next_tokens))
 
     def copy_page(self, src: int, dst: int) -> None:
         self.state = self._run("copy_page", (), self._copy_args(src, dst))
@@ -265,10 +268,10 @@ class ModelRunner:
         keys = []
         for prog in ("decode_greedy", "decode_sample"):
             keys += [(prog, (B, Pb)) for B in self.batch_buckets for Pb in self.page_buckets]
-        for prog in ("prefill", "prefill_plp"):
-            # a chunk of n tokens (bucket T: n > T/2) needs kv_len >= n, so smaller page buckets never occur
-            keys += [(prog, (T, Pb)) for T in self.token_buckets for Pb in self.page_buckets
-                     if 2 * Pb * self.rc.page_size > T or T == self.token_buckets[0]]
+        # a chunk of n tokens (bucket T: n > T/2) needs kv_len >= n, so smaller page buckets never occur
+        keys += [("prefill", (T, Pb)) for T in self.token_buckets for Pb in self.page_buckets
+                 if 2 * Pb * self.rc.page_size > T or T == self.token_buckets[0]]
+        keys += [("prompt_logprobs", (T,)) for T in self.token_buckets]
         return keys + [("copy_page", ()), ("set_slot", ())]
 
     def _example(self, prog: str, key: tuple) -> tuple:
@@ -279,11 +282,13 @@ class ModelRunner:
             rows = [{"token": 0, "position": 0, "kv_slot": 0, "pages": [0] * Pb, "slot_id": self.dummy_slot,
                      "sampling": None}] * B
             got = self._decode_args(rows, prog == "decode_greedy")
-        elif prog.startswith("prefill"):
+        elif prog == "prefill":
             T, Pb = key
             n = min(T, Pb * ps)
-            got = self._prefill_args([0] * n, Pb * ps - n, [0] * Pb, [None], [self.dummy_slot],
-                                     prog == "prefill_plp", None)
+            got = self._prefill_args([0] * n, Pb * ps - n, [0] * Pb, [None], [self.dummy_slot])
+        elif prog == "prompt_logprobs":
+            h = jnp.zeros((key[0], self.cfg.hidden_size), self.dtype, device=self._replicated)
+            return self._prompt_lp_args(h, [])
         elif prog == "copy_page":
             return self._copy_args(0, 0)
         else:
