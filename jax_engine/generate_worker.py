@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from typing import Callable, Optional
 
@@ -20,14 +21,15 @@ from jax.sharding import Mesh
 from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.demo_model import is_demo_model
 from jax_engine.detokenizer import IncrementalDetokenizer
-from jax_engine.errors import InvalidRequest, Overloaded
+from jax_engine.errors import Internal, InvalidRequest, Overloaded
 from jax_engine.models.llama import LlamaConfig
 from jax_engine.models.llama_weights import count_params, load_hf_params
 from jax_engine.page_pool import PagePool
 from jax_engine.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
 from jax_engine.scheduler import Scheduler
 from jax_engine.sequence import Request, Sequence
-from jax_engine.types import GenerateOutput, GenerateRequest, ModelInfo, ModelStats
+from jax_engine.types import (EmbedOutput, EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, ModelStats,
+                              SamplingParams)
 from weights_convert.hf import CheckpointError, CheckpointReader, read_config
 
 log = logging.getLogger("xlaserve.generate")
@@ -59,6 +61,7 @@ class GenerateWorker:
         from tqdm import tqdm
 
         self.spec, self.args = spec, args
+        self._embed_groups: dict[str, list[str]] = {}
         hf = read_config(spec.path)
         cfg = _load_config(spec.path, hf)
         tp = spec.tp if spec.tp != 1 else args.tp
@@ -173,9 +176,76 @@ class GenerateWorker:
 
     def abort(self, request_id: str) -> bool:
         found = False
-        for s in self.replicas:
-            found = s.abort(request_id) or found
+        for rid in [request_id] + self._embed_groups.get(request_id, []):
+            for s in self.replicas:
+                found = s.abort(rid) or found
         return found
+
+    def submit_embed(self, req: EmbedRequest, done: Callable[[object], None]) -> None:
+        """Decoder as embedder: last-token pooling of the final hidden state, L2-normalised
+        unless req.normalize is False. Each input is a prefill-only request `<id>:<i>`."""
+        if req.pairs is not None:
+            raise InvalidRequest(f"pairs: model {self.spec.name!r} is a decoder, not a cross-encoder")
+        if req.token_type_ids is not None:
+            raise InvalidRequest("token_type_ids: not used by decoder models")
+        if (req.texts is None) == (req.token_ids is None):
+            raise InvalidRequest("input: give exactly one of texts or token_ids")
+        items = req.texts if req.texts is not None else req.token_ids
+        if not items:
+            raise InvalidRequest("input: at least one input is required")
+        if len(items) > self.args.max_embed_inputs:
+            raise InvalidRequest(f"input: {len(items)} inputs exceeds the limit of {self.args.max_embed_inputs}")
+        limit = self.max_model_len - 1
+        ids_list = []
+        for i, item in enumerate(items):
+            if req.texts is not None:
+                ids = self.tokenizer(item, add_special_tokens=True)["input_ids"]
+                if req.truncate:
+                    ids = ids[:limit]
+            else:
+                ids = [int(t) for t in item]
+            sub = GenerateRequest(request_id=f"{req.request_id}:{i}", prompt_ids=ids,
+                                  params=SamplingParams(max_new_tokens=1))
+            ids_list.append(self._prompt_ids(sub))
+            self._validate(sub, ids_list[-1])
+        results: list = [None] * len(items)
+        state = {"left": len(items), "failed": False}
+        lock = threading.Lock()
+        normalize = req.normalize is not False
+        sub_ids = [f"{req.request_id}:{i}" for i in range(len(items))]
+        self._embed_groups[req.request_id] = sub_ids
+
+        def finish(result) -> None:
+            self._embed_groups.pop(req.request_id, None)
+            done(result)
+
+        def on_vec(i: int, v: np.ndarray) -> None:
+            if normalize:
+                v = v / max(float(np.linalg.norm(v)), 1e-12)
+            with lock:
+                results[i] = v
+                state["left"] -= 1
+                last = state["left"] == 0 and not state["failed"]
+            if last:
+                finish(EmbedOutput(request_id=req.request_id, embeddings=np.stack(results).astype(np.float32),
+                                   prompt_tokens=sum(map(len, ids_list)), token_counts=[len(x) for x in ids_list]))
+
+        def on_output(out: GenerateOutput) -> None:
+            if out.finished and out.finish_reason in ("abort", "error"):
+                with lock:
+                    first_failure = not state["failed"]
+                    state["failed"] = True
+                if first_failure:
+                    for rid in sub_ids:
+                        self.abort(rid)
+                    finish(None if out.finish_reason == "abort" else Internal(out.error or "embedding failed"))
+
+        for i, ids in enumerate(ids_list):
+            r = Request(request_id=sub_ids[i], prompt_ids=ids, params=SamplingParams(max_new_tokens=1),
+                        sink=on_output, max_new_tokens=1, priority=req.priority,
+                        on_embedding=lambda v, i=i: on_vec(i, v))
+            r.seqs.append(Sequence(req=r, index=0))
+            min(self.replicas, key=lambda s: s.load()).submit(r)
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.prompt_ids is not None and req.prompt is not None:

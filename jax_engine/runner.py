@@ -224,10 +224,12 @@ class ModelRunner:
         return "prefill", (T, Pb), args
 
     def prefill(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
-                slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]] = None) -> tuple[np.ndarray, ...]:
+                slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]] = None,
+                last_hidden: bool = False) -> tuple[np.ndarray, ...]:
         """KV for tokens at positions start.. (one sequence); samples len(sample_rows) rows from the last.
 
-        With prompt_lp it also returns, per position t, the logprob (and top-N) of next_tokens[t].
+        With prompt_lp it also returns, per position t, the logprob (and top-N) of next_tokens[t];
+        with last_hidden, the final-normed hidden state of the last token (decoder embeddings).
         """
         prog, key, args = self._prefill_args(tokens, start, pages, sample_rows, slot_ids)
         out, self.state = self._run(prog, key, args)
@@ -235,6 +237,8 @@ class ModelRunner:
         res = tuple(np.asarray(x)[:k] for x in out[:4])
         if prompt_lp:
             res = res + tuple(np.asarray(x)[:len(tokens)] for x in self._prompt_lp(out[4], next_tokens or []))
+        if last_hidden:
+            res = res + (np.asarray(out[4][len(tokens) - 1], dtype=np.float32),)
         return res
 
     def _prompt_lp_args(self, h: jax.Array, next_tokens: list[int]) -> tuple:

@@ -189,11 +189,12 @@ class Scheduler:
         group = [seq] + seq.followers if first else []
         p = seq.req.params
         plp = p.prompt_logprobs_start is not None and not seq.output_ids
+        embed = seq.req.on_embedding is not None
         try:
             out = self.runner.prefill(
                 toks[start:start + n], start, seq.pages,
                 [self._sampling_row(s) for s in group], [s.slot for s in group], plp,
-                next_tokens=toks[start + 1:start + n + 1] if plp else None)
+                next_tokens=toks[start + 1:start + n + 1] if plp else None, last_hidden=embed and finishing)
         except Exception as e:
             self._step_failed([seq], e)
             return n
@@ -204,6 +205,14 @@ class Scheduler:
             self._collect_prompt_lps(seq, start, n, out[4], out[5], out[6])
         self._register_pages(seq)
         if not finishing:
+            return n
+        if embed:                           # decoder embedding: last-token pooling, no generation
+            self._retire(seq)
+            self._maybe_forget(seq.req)
+            try:
+                seq.req.on_embedding(out[-1])
+            except Exception:
+                log.exception("embedding consumer failed")
             return n
         self.prefilling.remove(seq)
         if not first:                       # recompute after preemption: resume decoding

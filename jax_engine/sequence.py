@@ -6,6 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
+
 from jax_engine.detokenizer import IncrementalDetokenizer
 from jax_engine.types import GenerateOutput, SamplingParams, TokenLogprob
 
@@ -31,6 +33,8 @@ class Request:
     arrival: int = field(default_factory=lambda: next(_arrival))
     seqs: list["Sequence"] = field(default_factory=list)
     aborted: bool = False
+    # decoder-as-embedder: prefill only, then this receives the last token's final hidden state
+    on_embedding: Optional[Callable[[np.ndarray], None]] = None
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)

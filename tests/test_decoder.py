@@ -90,3 +90,20 @@ def test_greedy_batch_matches_transformers_generate(family):
         assert toks == hf_models.hf_greedy(model, p, 32), f"{name}: greedy tokens differ for prompt of {len(p)}"
     st = engine.stats("m")
     assert st.running_requests == 0 and st.total_generated_tokens >= 4 * 32
+
+
+def test_decoder_as_embedder_last_token_pooling(family):
+    import torch
+
+    from jax_engine.types import EmbedRequest
+
+    name, model, engine = family
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    out = asyncio.run(engine.embed(EmbedRequest(request_id="e", token_ids=prompts, model="m")))
+    assert out.embeddings.shape == (3, model.config.hidden_size) and out.prompt_tokens == sum(map(len, prompts))
+    for vec, p in zip(out.embeddings, prompts):
+        with torch.no_grad():
+            h = model.model(torch.tensor([p])).last_hidden_state[0, -1].numpy()
+        ref = h / np.linalg.norm(h)
+        assert float(np.dot(vec, ref)) >= 0.99999 and np.max(np.abs(vec - ref)) < 1e-4
+    assert engine.stats("m").pages_used == 0
