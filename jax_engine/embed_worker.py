@@ -119,7 +119,12 @@ class EmbedWorker:
         dtype = _resolve_dtype(spec.dtype, args.dtype, spec.path)
         self.cfg, self.params = bert.load_encoder(spec.path, dtype, task=spec.task)
         self.tokenizer = _load_tokenizer(spec.path)
-        cap = spec.max_model_len or args.max_model_len
+        # Fast tokenizers mutate their truncation state per call and fail ("Already borrowed")
+        # when two threads call at once; submit runs on callers' threads, so serialize it.
+        self._tok_lock = threading.Lock()
+        # sentence-transformers' own max_seq_length (256 for MiniLM) is what its users get; TEI and
+        # vLLM honour it too, so it wins over the engine-wide --max-model-len
+        cap = spec.max_model_len or _st_max_seq_length(spec.path) or args.max_model_len
         self.max_len = min(self.cfg.max_len, cap) if cap else self.cfg.max_len
         self.buckets = EncoderBuckets(self.max_len, args.embed_max_batch_tokens)
         self.programs = ProgramCache(f"embed:{spec.name}")
@@ -217,7 +222,11 @@ class EmbedWorker:
     # --- requests -----------------------------------------------------------------------------
 
     def submit(self, req: EmbedRequest, done: DoneCallback) -> None:
-        """Validate, tokenize and queue; raises InvalidRequest / Overloaded / Unavailable."""
+        """Validate, tokenize and queue; raises InvalidRequest / Overloaded / Unavailable.
+
+        Texts and token_ids are accepted by both kinds of model (a classifier scores single
+        texts too); pairs only by classifiers. `normalize` applies to embeddings, not scores.
+        """
         ids, types = self._tokenize(req)
         normalize = self.cfg.normalize if req.normalize is None else bool(req.normalize)
         results = np.zeros((len(ids), self.cfg.output_dim), np.float32)
@@ -234,6 +243,8 @@ class EmbedWorker:
             self._jobs[req.request_id] = job
             heapq.heappush(self._queue, job)
             self._cv.notify()
+
+    submit_embed = submit  # the name Engine calls for every worker kind
 
     def abort(self, request_id: str) -> bool:
         """Drop a request's queued inputs and call its `done(None)`; False if it is not in flight."""
@@ -330,8 +341,9 @@ class EmbedWorker:
                     raise InvalidRequest(f"texts[{i}] is empty")
             args = (list(inputs),)
         trunc: Union[bool, str] = "longest_first" if truncate else False
-        enc = self.tokenizer(*args, truncation=trunc, max_length=self.max_len if truncate else None,
-                             return_attention_mask=False, verbose=False)
+        with self._tok_lock:
+            enc = self.tokenizer(*args, truncation=trunc, max_length=self.max_len if truncate else None,
+                                 return_attention_mask=False, verbose=False)
         type_rows = enc.get("token_type_ids")
         ids_out, types_out = [], []
         for i, row in enumerate(enc["input_ids"]):
@@ -499,3 +511,17 @@ def _load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types for a broken folder
         raise CheckpointError(f"cannot load the tokenizer in {path!r}: {e}") from e
+
+
+def _st_max_seq_length(path: str) -> Optional[int]:
+    """max_seq_length from a sentence-transformers folder's sentence_bert_config.json, if any."""
+    import json
+    import os
+
+    fn = os.path.join(path, "sentence_bert_config.json")
+    try:
+        with open(fn) as f:
+            value = json.load(f).get("max_seq_length")
+    except (OSError, ValueError):
+        return None
+    return int(value) if value else None

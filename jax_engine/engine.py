@@ -224,7 +224,8 @@ class Engine:
 
             loop.call_soon_threadsafe(_set)
 
-        worker.submit_embed(req, done)
+        # tokenization of a large batch should not block the event loop
+        await asyncio.to_thread(worker.submit_embed, req, done)
         self.counters.add("accepted")
         try:
             result = await fut

@@ -127,8 +127,7 @@ def parse_config(cfg: dict, folder: Optional[str] = None, task: Optional[str] = 
         max_position_embeddings=int(cfg["max_position_embeddings"]),
         type_vocab_size=int(cfg.get("type_vocab_size", 2)),
         layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
-        pad_token_id=int(cfg.get("pad_token_id") if cfg.get("pad_token_id") is not None
-                         else (1 if family == "roberta" else 0)),
+        pad_token_id=_pad_token_id(cfg, family),
         hidden_act=act,
         task=task,
         num_labels=num_labels,
@@ -153,6 +152,12 @@ def _architecture(cfg: dict) -> str:
     raise CheckpointError(
         f"unsupported encoder architecture {archs or cfg.get('model_type')!r}; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _pad_token_id(cfg: dict, family: str) -> int:
+    """RoBERTa's padding_idx also fixes where position ids start, so its default (1) matters."""
+    pad = cfg.get("pad_token_id")
+    return int(pad) if pad is not None else (1 if family == "roberta" else 0)
 
 
 def _num_labels(cfg: dict) -> int:
