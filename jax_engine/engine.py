@@ -188,26 +188,17 @@ class Engine:
 
         handle = worker.submit_generate(req, sink)  # raises InvalidRequest / Overloaded
         self.counters.add("accepted")
-        n = req.params.n
-        finished = 0
-        outcome = "cancelled"
+        reasons: list[str] = []
         try:
-            while finished < n:
+            while len(reasons) < req.params.n:
                 out: GenerateOutput = await queue.get()
                 if out.finished:
-                    finished += 1
-                    if out.finish_reason == "error":
-                        outcome = "errored"
-                    elif out.finish_reason == "abort" and outcome != "errored":
-                        outcome = "cancelled"
-                    elif finished == n and outcome not in ("errored",):
-                        outcome = "completed" if out.finish_reason != "abort" else "cancelled"
+                    reasons.append(out.finish_reason or "stop")
                 yield out
         finally:
-            if finished < n:
-                worker.abort(handle)
-                outcome = "cancelled"
-            self.counters.add(outcome)
+            if len(reasons) < req.params.n:
+                worker.abort(handle)           # the consumer left early
+            self.counters.add(_outcome(reasons, req.params.n))
 
     async def embed(self, req: EmbedRequest) -> EmbedOutput:
         self._admit()
@@ -276,6 +267,15 @@ class Engine:
         if default is None:
             raise NotFound(f"no {task or ''} model is served".replace("  ", " "))
         return self._resolve(default, task)
+
+
+def _outcome(reasons: list[str], n: int) -> str:
+    """The one terminal outcome of a request from its sequences' finish reasons."""
+    if "error" in reasons:
+        return "errored"
+    if len(reasons) < n or "abort" in reasons:
+        return "cancelled"
+    return "completed"
 
 
 def _task_matches(model_task: str, wanted: str) -> bool:

@@ -373,3 +373,39 @@ def test_validation_and_overload(model_dir, engine):
         asyncio.run(flood())
     finally:
         full.shutdown()
+
+
+def test_fault_in_one_step_fails_only_its_requests(model_dir):
+    eng = make_engine(model_dir, warmup=False, max_running_requests=2)
+    runner = eng._workers["gen"].replicas[0].runner
+    calls = {"decode": 0}
+
+    def hook(program: str) -> None:
+        if program.startswith("decode"):
+            calls["decode"] += 1
+            if calls["decode"] == 3:
+                raise RuntimeError("injected fault")
+
+    try:
+        runner.fault_hook = hook
+        before = eng.counters.snapshot()
+
+        async def main():
+            return await asyncio.gather(*[run(eng, [10 + i, 20, 30], **greedy(None, 6)) for i in range(3)])
+
+        outs = asyncio.run(main())
+        finals = [o[0]["final"] for o in outs]
+        failed = [f for f in finals if f.finish_reason == "error"]
+        ok = [f for f in finals if f.finish_reason == "length"]
+        assert len(failed) == 2 and all("injected fault" in f.error for f in failed)
+        assert len(ok) == 1 and ok[0].completion_tokens == 6       # the queued request was not in the step
+        runner.fault_hook = None
+        again = asyncio.run(run(eng, [1, 2, 3], **greedy(None, 4)))
+        assert again[0]["final"].finish_reason == "length" and eng.healthy()
+        st = eng.stats("gen")
+        assert st.pages_used == 0 and st.running_requests == 0
+        after = eng.counters.snapshot()
+        delta = {k: after[k] - before[k] for k in after}
+        assert delta == {"accepted": 4, "completed": 2, "errored": 2, "cancelled": 0}
+    finally:
+        eng.shutdown()
