@@ -273,8 +273,9 @@ class GenerateWorker:
             raise InvalidRequest(f"prompt: {L} tokens exceeds the limit of {min(limit, self.max_model_len - 1)} "
                                  f"(context length {self.max_model_len})")
         room = self.max_model_len - L
-        if p.max_new_tokens is None:
-            max_new = min(room, a.max_new_tokens_limit)
+        pool_pages = min(s.pool.usable for s in self.replicas)
+        if p.max_new_tokens is None:   # up to the context, the limit, and what one sequence can hold
+            max_new = max(1, min(room, a.max_new_tokens_limit, pool_pages * self.page_size - L))
         else:
             if p.max_new_tokens < 1:
                 raise InvalidRequest(f"max_new_tokens: must be >= 1, got {p.max_new_tokens}")
@@ -284,6 +285,10 @@ class GenerateWorker:
                 raise InvalidRequest(f"max_new_tokens: prompt ({L} tokens) + max_new_tokens ({p.max_new_tokens}) "
                                      f"exceeds the context length {self.max_model_len}")
             max_new = p.max_new_tokens
+        need = math.ceil((L + max_new) / self.page_size)
+        if need > pool_pages:
+            raise InvalidRequest(f"max_new_tokens: prompt ({L}) + max_new_tokens ({max_new}) needs {need} KV pages "
+                                 f"of {self.page_size} tokens but the pool has {pool_pages}")
         _finite(p.temperature, "temperature", 0.0, 100.0)
         _finite(p.top_p, "top_p", 0.0, 1.0)
         if p.top_p <= 0:

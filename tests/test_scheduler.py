@@ -409,3 +409,14 @@ def test_fault_in_one_step_fails_only_its_requests(model_dir):
         assert delta == {"accepted": 4, "completed": 2, "errored": 2, "cancelled": 0}
     finally:
         eng.shutdown()
+
+
+def test_request_larger_than_the_pool_is_invalid(model_dir):
+    eng = make_engine(model_dir, warmup=False, num_pages=6)    # 5 usable pages of 8 tokens
+    try:
+        with pytest.raises(InvalidRequest, match="needs 6 KV pages of 8 tokens but the pool has 5"):
+            asyncio.run(run(eng, [1] * 20, max_new_tokens=25))
+        out = asyncio.run(run(eng, [1] * 20, temperature=0.0, ignore_eos=True))   # default fits the pool
+        assert out[0]["final"].finish_reason == "length" and out[0]["final"].completion_tokens == 20
+    finally:
+        eng.shutdown()
