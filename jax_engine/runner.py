@@ -79,6 +79,7 @@ class ModelRunner:
         self.token_buckets = pow2_buckets(min(rc.min_token_bucket, rc.max_batched_tokens), rc.max_batched_tokens)
         self.p_max = math.ceil(rc.max_model_len / rc.page_size)
         self.page_buckets = page_buckets(self.p_max, rc.page_bucket_ratio)
+        self.sample_buckets = sorted({1, rc.max_n})
         self.dummy_slot = rc.max_running
         self.programs = ProgramCache("decoder")
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests inject step failures here
@@ -115,26 +116,30 @@ class ModelRunner:
     def _register(self) -> None:
         cfg, ps, top_n = self.cfg, self.rc.page_size, self.rc.top_n
 
+        def sample_tail(raw, state, slot_ids, sa, mode):
+            """Penalties, bias, bans, the draw, logprobs, and the penalty-count update."""
+            logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
+            tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
+            chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
+            return (tok, chosen, top_v, top_i), {**state, "counts": state["counts"].at[slot_ids, tok].add(1)}
+
         def decode(params, state, tokens, positions, slots, page_table, kv_lens, slot_ids, sa, *, mode):
             h, k, v = llama.forward(params, cfg, state["k"], state["v"],
                                     StepInputs(tokens[:, None], positions[:, None], slots[:, None], page_table, kv_lens), ps)
             raw = llama.lm_head(params, cfg, h[:, 0])
-            logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
-            tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
-            chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
-            counts = state["counts"].at[slot_ids, tok].add(1)
-            return (tok, chosen, top_v, top_i), {"k": k, "v": v, "counts": counts, "pm": state["pm"]}
+            return sample_tail(raw, {**state, "k": k, "v": v}, slot_ids, sa, mode)
 
-        def prefill(params, state, tokens, positions, slots, page_row, kv_len, last_idx, slot_ids, sa):
+        def prefill(params, state, tokens, positions, slots, page_row, kv_len, last_idx):
+            """KV for one chunk; the last token's raw logits and every position's hidden state."""
             h, k, v = llama.forward(params, cfg, state["k"], state["v"],
                                     StepInputs(tokens[None], positions[None], slots[None], page_row[None], kv_len[None]), ps)
+            raw = llama.lm_head(params, cfg, h[0, last_idx])
+            return (raw, h[0]), {**state, "k": k, "v": v}
+
+        def first_token(state, raw, slot_ids, sa, *, mode):
+            """The first token(s) after a prompt: R rows (n > 1 samples) from the same logits."""
             R = slot_ids.shape[0]
-            raw = jnp.broadcast_to(llama.lm_head(params, cfg, h[0, last_idx])[None], (R, cfg.vocab_size))
-            logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
-            tok = sampling.sample(logits, sa)
-            chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
-            counts = state["counts"].at[slot_ids, tok].add(1)
-            return (tok, chosen, top_v, top_i, h[0]), {"k": k, "v": v, "counts": counts, "pm": state["pm"]}
+            return sample_tail(jnp.broadcast_to(raw[None], (R, raw.shape[0])), state, slot_ids, sa, mode)
 
         def prompt_logprobs(params, h, next_tokens):
             """Logprob (and top-N) of next_tokens[t] after position t, from the chunk's hidden states."""
@@ -156,6 +161,8 @@ class ModelRunner:
         self.programs.register("decode_greedy", jax.jit(functools.partial(decode, mode="greedy"), **d))
         self.programs.register("decode_sample", jax.jit(functools.partial(decode, mode="sample"), **d))
         self.programs.register("prefill", jax.jit(prefill, **d))
+        self.programs.register("first_greedy", jax.jit(functools.partial(first_token, mode="greedy"), donate_argnums=(0,)))
+        self.programs.register("first_sample", jax.jit(functools.partial(first_token, mode="sample"), donate_argnums=(0,)))
         self.programs.register("prompt_logprobs", jax.jit(prompt_logprobs))
         self.programs.register("copy_page", jax.jit(copy_page, donate_argnums=(0,)))
         self.programs.register("set_slot", jax.jit(set_slot, donate_argnums=(0,)))
@@ -200,8 +207,7 @@ class ModelRunner:
         out, self.state = self._run(prog, key, args)
         return tuple(np.asarray(x)[:len(rows)] for x in out)
 
-    def _prefill_args(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
-                      slot_ids: list[int]) -> tuple[str, tuple, tuple]:
+    def _prefill_args(self, tokens: list[int], start: int, pages: list[int]) -> tuple[str, tuple, tuple]:
         n = len(tokens)
         T = pick(self.token_buckets, n)
         kv_len = start + n
@@ -216,12 +222,17 @@ class ModelRunner:
         slots[:n] = np.asarray(pages, np.int32)[p // ps] * ps + p % ps
         row = np.zeros(Pb, np.int32)
         row[:len(pages)] = pages[:Pb]
-        R = self.rc.max_n
+        args = (self.params, self.state, *self._put(tok, pos, slots, row, np.int32(kv_len), np.int32(n - 1)))
+        return "prefill", (T, Pb), args
+
+    def _first_args(self, raw: jax.Array, sample_rows: list[Optional[dict]], slot_ids: list[int]) -> tuple[str, tuple, tuple]:
+        R = pick(self.sample_buckets, len(sample_rows))
         sid = np.full(R, self.dummy_slot, np.int32)
         sid[:len(slot_ids)] = slot_ids
-        sa = self._sa(list(sample_rows) + [None] * (R - len(sample_rows)), R)
-        args = (self.params, self.state, *self._put(tok, pos, slots, row, np.int32(kv_len), np.int32(n - 1), sid), sa)
-        return "prefill", (T, Pb), args
+        rows = list(sample_rows) + [None] * (R - len(sample_rows))
+        greedy = all(r is None or r["temperature"] <= 0 for r in rows)
+        args = (self.state, jax.device_put(raw, self._replicated), self._put(sid)[0], self._sa(rows, R))
+        return ("first_greedy" if greedy else "first_sample"), (R,), args
 
     def prefill(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
                 slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]] = None,
@@ -231,14 +242,17 @@ class ModelRunner:
         With prompt_lp it also returns, per position t, the logprob (and top-N) of next_tokens[t];
         with last_hidden, the final-normed hidden state of the last token (decoder embeddings).
         """
-        prog, key, args = self._prefill_args(tokens, start, pages, sample_rows, slot_ids)
-        out, self.state = self._run(prog, key, args)
-        k = len(sample_rows)
-        res = tuple(np.asarray(x)[:k] for x in out[:4])
+        prog, key, args = self._prefill_args(tokens, start, pages)
+        (raw, h), self.state = self._run(prog, key, args)
+        res: tuple = (None, None, None, None)
+        if sample_rows:
+            prog, key, args = self._first_args(raw, sample_rows, slot_ids)
+            out, self.state = self._run(prog, key, args)
+            res = tuple(np.asarray(x)[:len(sample_rows)] for x in out)
         if prompt_lp:
-            res = res + tuple(np.asarray(x)[:len(tokens)] for x in self._prompt_lp(out[4], next_tokens or []))
+            res = res + tuple(np.asarray(x)[:len(tokens)] for x in self._prompt_lp(h, next_tokens or []))
         if last_hidden:
-            res = res + (np.asarray(out[4][len(tokens) - 1], dtype=np.float32),)
+            res = res + (np.asarray(h[len(tokens) - 1], dtype=np.float32),)
         return res
 
     def _prompt_lp_args(self, h: jax.Array, next_tokens: list[int]) -> tuple:
@@ -276,6 +290,7 @@ class ModelRunner:
         keys += [("prefill", (T, Pb)) for T in self.token_buckets for Pb in self.page_buckets
                  if 2 * Pb * self.rc.page_size > T or T == self.token_buckets[0]]
         keys += [("prompt_logprobs", (T,)) for T in self.token_buckets]
+        keys += [(prog, (R,)) for prog in ("first_greedy", "first_sample") for R in self.sample_buckets]
         return keys + [("copy_page", ()), ("set_slot", ())]
 
     def _example(self, prog: str, key: tuple) -> tuple:
@@ -289,7 +304,12 @@ class ModelRunner:
         elif prog == "prefill":
             T, Pb = key
             n = min(T, Pb * ps)
-            got = self._prefill_args([0] * n, Pb * ps - n, [0] * Pb, [None], [self.dummy_slot])
+            got = self._prefill_args([0] * n, Pb * ps - n, [0] * Pb)
+        elif prog.startswith("first"):
+            raw = jnp.zeros((self.cfg.vocab_size,), jnp.float32, device=self._replicated)
+            row = {"temperature": 0.0 if prog == "first_greedy" else 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                   "rep_pen": 1.0, "freq_pen": 0.0, "pres_pen": 0.0, "seeds": 0, "steps": 0, "bias": [], "ban": []}
+            got = self._first_args(raw, [row] * key[0], [self.dummy_slot] * key[0])
         elif prog == "prompt_logprobs":
             h = jnp.zeros((key[0], self.cfg.hidden_size), self.dtype, device=self._replicated)
             return self._prompt_lp_args(h, [])

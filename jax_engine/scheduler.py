@@ -186,10 +186,10 @@ class Scheduler:
         toks = seq.tokens
         finishing = start + n == target
         first = finishing and not seq.output_ids
-        group = [seq] + seq.followers if first else []
+        embed = seq.req.on_embedding is not None
+        group = [seq] + seq.followers if first and not embed else []
         p = seq.req.params
         plp = p.prompt_logprobs_start is not None and not seq.output_ids
-        embed = seq.req.on_embedding is not None
         try:
             out = self.runner.prefill(
                 toks[start:start + n], start, seq.pages,
