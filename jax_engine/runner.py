@@ -2,8 +2,9 @@
 
 Programs (each compiled ahead of time per bucket at warmup, looked up through ProgramCache):
   decode_{greedy,sample}[B, P]  one token for each of B rows, with sampling fused in
-  prefill[T, P]                 a chunk of T tokens of one sequence; samples up to R = max_n
-                                rows from its last position (n > 1 children), returns hidden states
+  prefill[Bp, T, P]             chunks of up to T tokens of Bp sequences (Bp * T <= the token
+                                budget); last-token logits and hidden states of every row
+  first_{greedy,sample}[R]      the first token(s) of a prompt (R = n > 1 samples) from its logits
   prompt_logprobs[T]            logprobs of the next prompt token at every position of a chunk
   copy_page                     copy-on-write of a partially filled page for n > 1 forks
   set_slot                      (re)initialise a row of the penalty state
@@ -80,6 +81,8 @@ class ModelRunner:
         self.p_max = math.ceil(rc.max_model_len / rc.page_size)
         self.page_buckets = page_buckets(self.p_max, rc.page_bucket_ratio)
         self.sample_buckets = sorted({1, rc.max_n})
+        self.prefill_batch_buckets = [b for b in self.batch_buckets
+                                      if b * self.token_buckets[0] <= rc.max_batched_tokens]
         self.dummy_slot = rc.max_running
         self.programs = ProgramCache("decoder")
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests inject step failures here
@@ -129,12 +132,12 @@ class ModelRunner:
             raw = llama.lm_head(params, cfg, h[:, 0])
             return sample_tail(raw, {**state, "k": k, "v": v}, slot_ids, sa, mode)
 
-        def prefill(params, state, tokens, positions, slots, page_row, kv_len, last_idx):
-            """KV for one chunk; the last token's raw logits and every position's hidden state."""
+        def prefill(params, state, tokens, positions, slots, page_table, kv_lens, last_idx):
+            """KV for Bp chunks (one per row); each row's last raw logits and all hidden states."""
             h, k, v = llama.forward(params, cfg, state["k"], state["v"],
-                                    StepInputs(tokens[None], positions[None], slots[None], page_row[None], kv_len[None]), ps)
-            raw = llama.lm_head(params, cfg, h[0, last_idx])
-            return (raw, h[0]), {**state, "k": k, "v": v}
+                                    StepInputs(tokens, positions, slots, page_table, kv_lens), ps)
+            last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]
+            return (llama.lm_head(params, cfg, last), h), {**state, "k": k, "v": v}
 
         def first_token(state, raw, slot_ids, sa, *, mode):
             """The first token(s) after a prompt: R rows (n > 1 samples) from the same logits."""
@@ -207,25 +210,34 @@ class ModelRunner:
         out, self.state = self._run(prog, key, args)
         return tuple(np.asarray(x)[:len(rows)] for x in out)
 
-    def _prefill_args(self, tokens: list[int], start: int, pages: list[int]) -> tuple[str, tuple, tuple]:
-        n = len(tokens)
-        T = pick(self.token_buckets, n)
-        kv_len = start + n
-        Pb = pick(self.page_buckets, math.ceil(kv_len / self.rc.page_size))
-        ps = self.rc.page_size
-        tok = np.zeros(T, np.int32)
-        tok[:n] = tokens
-        pos = np.zeros(T, np.int32)
-        pos[:n] = np.arange(start, kv_len)
-        slots = np.zeros(T, np.int32)
-        p = pos[:n]
-        slots[:n] = np.asarray(pages, np.int32)[p // ps] * ps + p % ps
-        row = np.zeros(Pb, np.int32)
-        row[:len(pages)] = pages[:Pb]
-        args = (self.params, self.state, *self._put(tok, pos, slots, row, np.int32(kv_len), np.int32(n - 1)))
-        return "prefill", (T, Pb), args
+    def prefill_shape(self, lens: list[int], kv_lens: list[int]) -> tuple[int, int, int]:
+        """(rows, tokens, pages) bucket for chunks of these lengths ending at these kv lengths."""
+        return (pick(self.prefill_batch_buckets, len(lens)), pick(self.token_buckets, max(lens)),
+                pick(self.page_buckets, math.ceil(max(kv_lens) / self.rc.page_size)))
 
-    def _first_args(self, raw: jax.Array, sample_rows: list[Optional[dict]], slot_ids: list[int]) -> tuple[str, tuple, tuple]:
+    def _prefill_args(self, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[str, tuple, tuple]:
+        """chunks: (tokens, start position, pages) per sequence."""
+        ps = self.rc.page_size
+        Bp, T, Pb = self.prefill_shape([len(c[0]) for c in chunks], [c[1] + len(c[0]) for c in chunks])
+        tok = np.zeros((Bp, T), np.int32)
+        pos = np.zeros((Bp, T), np.int32)
+        slots = np.zeros((Bp, T), np.int32)
+        table = np.zeros((Bp, Pb), np.int32)
+        kv_lens = np.zeros(Bp, np.int32)
+        last = np.zeros(Bp, np.int32)
+        for i, (tokens, start, pages) in enumerate(chunks):
+            n = len(tokens)
+            tok[i, :n] = tokens
+            p = np.arange(start, start + n)
+            pos[i, :n] = p
+            slots[i, :n] = np.asarray(pages, np.int32)[p // ps] * ps + p % ps
+            table[i, :len(pages)] = pages[:Pb]
+            kv_lens[i] = start + n
+            last[i] = n - 1
+        args = (self.params, self.state, *self._put(tok, pos, slots, table, kv_lens, last))
+        return "prefill", (Bp, T, Pb), args
+
+    def _first_args(self, raw: np.ndarray, sample_rows: list[Optional[dict]], slot_ids: list[int]) -> tuple[str, tuple, tuple]:
         R = pick(self.sample_buckets, len(sample_rows))
         sid = np.full(R, self.dummy_slot, np.int32)
         sid[:len(slot_ids)] = slot_ids
@@ -234,26 +246,26 @@ class ModelRunner:
         args = (self.state, jax.device_put(raw, self._replicated), self._put(sid)[0], self._sa(rows, R))
         return ("first_greedy" if greedy else "first_sample"), (R,), args
 
-    def prefill(self, tokens: list[int], start: int, pages: list[int], sample_rows: list[Optional[dict]],
-                slot_ids: list[int], prompt_lp: bool, next_tokens: Optional[list[int]] = None,
-                last_hidden: bool = False) -> tuple[np.ndarray, ...]:
-        """KV for tokens at positions start.. (one sequence); samples len(sample_rows) rows from the last.
+    def prefill(self, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+        """Compute the KV of several sequences' chunks in one program.
 
-        With prompt_lp it also returns, per position t, the logprob (and top-N) of next_tokens[t];
-        with last_hidden, the final-normed hidden state of the last token (decoder embeddings).
+        Returns the last-token logits [rows, V] on the host and a function fetching the hidden
+        states [rows, T, H] (only prompt logprobs and embeddings need them). Rows are sliced on
+        the host: slicing on the device would compile a small program per shape.
         """
-        prog, key, args = self._prefill_args(tokens, start, pages)
+        prog, key, args = self._prefill_args(chunks)
         (raw, h), self.state = self._run(prog, key, args)
-        res: tuple = (None, None, None, None)
-        if sample_rows:
-            prog, key, args = self._first_args(raw, sample_rows, slot_ids)
-            out, self.state = self._run(prog, key, args)
-            res = tuple(np.asarray(x)[:len(sample_rows)] for x in out)
-        if prompt_lp:
-            res = res + tuple(np.asarray(x)[:len(tokens)] for x in self._prompt_lp(h, next_tokens or []))
-        if last_hidden:
-            res = res + (np.asarray(h[len(tokens) - 1], dtype=np.float32),)
-        return res
+        return np.asarray(raw), lambda: np.asarray(h)
+
+    def first_tokens(self, raw_row: np.ndarray, sample_rows: list[dict], slot_ids: list[int]) -> tuple[np.ndarray, ...]:
+        """Sample the first token of each of a prompt's n sequences from its last logits."""
+        prog, key, args = self._first_args(raw_row, sample_rows, slot_ids)
+        out, self.state = self._run(prog, key, args)
+        return tuple(np.asarray(x)[:len(sample_rows)] for x in out)
+
+    def prompt_logprobs(self, h_row: np.ndarray, next_tokens: list[int], n: int) -> tuple[np.ndarray, ...]:
+        """Per position t < n: logprob and top-N of next_tokens[t]."""
+        return tuple(np.asarray(x)[:n] for x in self._prompt_lp(h_row, next_tokens))
 
     def _prompt_lp_args(self, h: jax.Array, next_tokens: list[int]) -> tuple:
         nxt = np.zeros(h.shape[0], np.int32)
@@ -287,8 +299,10 @@ class ModelRunner:
         for prog in ("decode_greedy", "decode_sample"):
             keys += [(prog, (B, Pb)) for B in self.batch_buckets for Pb in self.page_buckets]
         # a chunk of n tokens (bucket T: n > T/2) needs kv_len >= n, so smaller page buckets never occur
-        keys += [("prefill", (T, Pb)) for T in self.token_buckets for Pb in self.page_buckets
-                 if 2 * Pb * self.rc.page_size > T or T == self.token_buckets[0]]
+        # rows x tokens (padding included) never exceeds the step's token budget
+        keys += [("prefill", (Bp, T, Pb)) for Bp in self.prefill_batch_buckets for T in self.token_buckets
+                 for Pb in self.page_buckets
+                 if Bp * T <= self.rc.max_batched_tokens and (2 * Pb * self.rc.page_size > T or T == self.token_buckets[0])]
         keys += [("prompt_logprobs", (T,)) for T in self.token_buckets]
         keys += [(prog, (R,)) for prog in ("first_greedy", "first_sample") for R in self.sample_buckets]
         return keys + [("copy_page", ()), ("set_slot", ())]
@@ -302,16 +316,16 @@ class ModelRunner:
                      "sampling": None}] * B
             got = self._decode_args(rows, prog == "decode_greedy")
         elif prog == "prefill":
-            T, Pb = key
+            Bp, T, Pb = key
             n = min(T, Pb * ps)
-            got = self._prefill_args([0] * n, Pb * ps - n, [0] * Pb)
+            got = self._prefill_args([([0] * n, Pb * ps - n, [0] * Pb)] * Bp)
         elif prog.startswith("first"):
-            raw = jnp.zeros((self.cfg.vocab_size,), jnp.float32, device=self._replicated)
+            raw = np.zeros((self.cfg.vocab_size,), np.float32)
             row = {"temperature": 0.0 if prog == "first_greedy" else 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                    "rep_pen": 1.0, "freq_pen": 0.0, "pres_pen": 0.0, "seeds": 0, "steps": 0, "bias": [], "ban": []}
             got = self._first_args(raw, [row] * key[0], [self.dummy_slot] * key[0])
         elif prog == "prompt_logprobs":
-            h = jnp.zeros((key[0], self.cfg.hidden_size), self.dtype, device=self._replicated)
+            h = np.zeros((key[0], self.cfg.hidden_size), self.dtype)
             return self._prompt_lp_args(h, [])
         elif prog == "copy_page":
             return self._copy_args(0, 0)

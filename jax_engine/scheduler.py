@@ -17,6 +17,8 @@ import time
 from collections import deque
 from typing import Optional
 
+import numpy as np
+
 from jax_engine.page_pool import PagePool, chain_hashes
 from jax_engine.runner import ModelRunner
 from jax_engine.sequence import Request, Sequence, SeqState
@@ -129,13 +131,26 @@ class Scheduler:
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         self._admit()
-        budget = self.budget - len(self.running)
-        for seq in list(self.prefilling):
-            if budget <= 0:
-                break
-            budget -= self._prefill_chunk(seq, budget)
+        batch = self._plan_prefill(self.budget - len(self.running))
+        if batch:
+            self._prefill(batch)
         if self.running:
             self._decode()
+
+    def _plan_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Chunks for one prefill program, FIFO, while rows x padded length fits the budget."""
+        r = self.runner
+        batch: list[tuple[Sequence, int]] = []
+        for seq in self.prefilling:
+            n = min(seq.target_computed - seq.num_computed, r.token_buckets[-1], max(budget, 1))
+            lens = [x[1] for x in batch] + [n]
+            if len(lens) > r.prefill_batch_buckets[-1]:
+                break
+            rows, width, _ = r.prefill_shape(lens, lens)
+            if batch and rows * width > budget:
+                break
+            batch.append((seq, n))
+        return batch
 
     def _rows_in_use(self) -> int:
         return len(self.running) + sum(1 + len(s.followers) for s in self.prefilling)
@@ -179,48 +194,57 @@ class Scheduler:
                 s.state = SeqState.PREFILL
             self.prefilling.append(seq)
 
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
-        target = seq.target_computed
-        start = seq.num_computed
-        n = min(target - start, budget, self.runner.token_buckets[-1])
-        toks = seq.tokens
-        finishing = start + n == target
-        first = finishing and not seq.output_ids
-        embed = seq.req.on_embedding is not None
-        group = [seq] + seq.followers if first and not embed else []
-        p = seq.req.params
-        plp = p.prompt_logprobs_start is not None and not seq.output_ids
+    def _prefill(self, batch: list[tuple[Sequence, int]]) -> None:
+        chunks = [(seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed, seq.pages) for seq, n in batch]
         try:
-            out = self.runner.prefill(
-                toks[start:start + n], start, seq.pages,
-                [self._sampling_row(s) for s in group], [s.slot for s in group], plp,
-                next_tokens=toks[start + 1:start + n + 1] if plp else None, last_hidden=embed and finishing)
+            raw, hidden = self.runner.prefill(chunks)
         except Exception as e:
-            self._step_failed([seq], e)
-            return n
+            self._step_failed([seq for seq, _ in batch], e)
+            return
+        h = None
+        for i, (seq, n) in enumerate(batch):
+            if seq.state is not SeqState.PREFILL:
+                continue                    # failed together with an earlier row of this batch
+            needs_h = seq.req.on_embedding is not None or (
+                seq.req.params.prompt_logprobs_start is not None and not seq.output_ids)
+            if needs_h and h is None:
+                h = hidden()
+            try:
+                self._after_prefill(seq, n, raw[i], h[i] if needs_h else None)
+            except Exception as e:
+                self._step_failed([seq], e)
+
+    def _after_prefill(self, seq: Sequence, n: int, raw: np.ndarray, h: Optional[np.ndarray]) -> None:
+        """Book-keeping for one finished chunk: prompt logprobs, cache pages, first tokens."""
+        start = seq.num_computed
+        target = seq.target_computed
+        toks = seq.tokens
         seq.num_computed += n
         self.total_prompt_tokens += n
         self._record(prefill=n)
-        if plp:
-            self._collect_prompt_lps(seq, start, n, out[4], out[5], out[6])
+        if seq.req.params.prompt_logprobs_start is not None and not seq.output_ids:
+            lp = self.runner.prompt_logprobs(h, toks[start + 1:start + n + 1], n)
+            self._collect_prompt_lps(seq, start, n, *lp)
         self._register_pages(seq)
-        if not finishing:
-            return n
-        if embed:                           # decoder embedding: last-token pooling, no generation
+        if start + n < target:
+            return
+        if seq.req.on_embedding is not None:   # decoder embedding: last-token pooling, no generation
             self._retire(seq)
             self._maybe_forget(seq.req)
             try:
-                seq.req.on_embedding(out[-1])
+                seq.req.on_embedding(np.asarray(h[n - 1], dtype=np.float32))
             except Exception:
                 log.exception("embedding consumer failed")
-            return n
+            return
         self.prefilling.remove(seq)
-        if not first:                       # recompute after preemption: resume decoding
+        if seq.output_ids:                  # recompute after preemption: resume decoding
             seq.state = SeqState.RUNNING
             self.running.append(seq)
-            return n
-        tok, lp, top_v, top_i = out[:4]
-        for i, s in enumerate(group):
+            return
+        group = [seq] + seq.followers
+        tok, lp, top_v, top_i = self.runner.first_tokens(raw, [self._sampling_row(s) for s in group],
+                                                         [s.slot for s in group])
+        for s in group:
             if s is not seq:
                 self._fork(seq, s)
             s.state = SeqState.RUNNING
@@ -228,7 +252,6 @@ class Scheduler:
         seq.followers = []
         for i, s in enumerate(group):
             self._on_token(s, int(tok[i]), float(lp[i]), top_v[i], top_i[i])
-        return n
 
     def _fork(self, leader: Sequence, s: Sequence) -> None:
         """n > 1: share the leader's full prompt pages; copy the partial last page."""
