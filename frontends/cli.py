@@ -77,6 +77,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -86,7 +93,7 @@ def _non_negative_float(text: str) -> float:
 
 def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     """The `serve` options; each default may come from its XLASERVE_* variable."""
-    from frontends.http.app import DEFAULT_MAX_BODY_BYTES
+    from frontends.http.app import DEFAULT_HTTP_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
     from jax_engine.config import EngineArgs
 
     d = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.default is not dataclasses.MISSING}
@@ -151,6 +158,8 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
         help="token budget per encoder batch")
     opt(lim, "--max-message-bytes", type=_positive, default=DEFAULT_MAX_BODY_BYTES,
         help="largest gRPC message and HTTP request body")
+    opt(lim, "--http-read-timeout", type=_positive_float, default=DEFAULT_HTTP_READ_TIMEOUT_S,
+        help="seconds an HTTP client has to send its request head, and again its body (else 408)")
 
     net = p.add_argument_group("network")
     opt(net, "--host", default="127.0.0.1", help="address both fronts bind")
@@ -329,7 +338,7 @@ async def serve(ns: argparse.Namespace) -> int:
         nonlocal signals_seen
         signals_seen += 1
         if signals_seen == 1:
-            log.info("%s: draining (up to %.0fs for in-flight requests); send again to stop at once",
+            log.info("%s: draining (up to %gs for in-flight requests); send again to stop at once",
                      sig.name, ns.drain_timeout)
         else:
             log.warning("%s again: stopping without waiting for in-flight requests", sig.name)
@@ -359,7 +368,8 @@ async def serve(ns: argparse.Namespace) -> int:
         return 1
 
     app = create_app(shared, api_key=ns.api_key, admin_api_key=ns.admin_api_key, enable_admin=ns.enable_admin,
-                     servicers=servicers, max_body_bytes=ns.max_message_bytes, metrics=metrics)
+                     servicers=servicers, max_body_bytes=ns.max_message_bytes, metrics=metrics,
+                     body_timeout_s=ns.http_read_timeout)
     try:
         sock = _bind(ns.host, ns.http_port)
     except OSError as e:
@@ -373,7 +383,10 @@ async def serve(ns: argparse.Namespace) -> int:
         tls = dict(ssl_certfile=ns.tls_cert, ssl_keyfile=ns.tls_key)
         if ns.tls_client_ca:
             tls.update(ssl_ca_certs=ns.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    from frontends.http.transport import hardened_h11_protocol
+
     config = uvicorn.Config(app, loop="none", lifespan="off", log_config=None, log_level=ns.log_level,
+                            http=hardened_h11_protocol(ns.http_read_timeout),
                             access_log=ns.log_level == "debug", timeout_graceful_shutdown=1, **tls)
     http = _Uvicorn.make(config)
     http_task = asyncio.ensure_future(http.serve(sockets=[sock]))
@@ -427,14 +440,26 @@ async def serve(ns: argparse.Namespace) -> int:
     # ---- drain
     engine.begin_drain()
     await mark_not_serving(grpc_server)
+    log.info("drain: %d request(s) in flight; new requests are refused", _in_flight(engine))
     deadline = loop.time() + ns.drain_timeout
     while _in_flight(engine) > 0 and loop.time() < deadline and signals_seen < 2:
         await asyncio.sleep(0.05)
     left = _in_flight(engine)
     if left:
-        log.warning("stopping with %d request(s) still in flight; they are aborted", left)
-    # Finished engine streams may still be writing their last bytes: give both servers a moment.
-    grace = 0.0 if signals_seen >= 2 else max(0.5, min(5.0, deadline - loop.time()))
+        # Never a silent close: each one ends with an explicit error (UNAVAILABLE / 503 /
+        # GenerateInterrupted), and the fronts get a moment to send it before the servers stop.
+        log.warning("stopping with %d request(s) still in flight; they end with an error", left)
+        engine.fail_in_flight(f"the server is shutting down: the request did not finish within the "
+                              f"drain timeout ({ns.drain_timeout:g}s)")
+        flush_until = loop.time() + 2.0
+        while _in_flight(engine) > 0 and loop.time() < flush_until:
+            await asyncio.sleep(0.02)
+    # Finished engine streams may still be writing their last bytes: give both servers a moment
+    # (a short one after a second signal, and only if error replies are still being written).
+    if signals_seen >= 2:
+        grace = 0.5 if left else 0.0
+    else:
+        grace = max(0.5, min(5.0, deadline - loop.time()))
     http.should_exit = True
     http.config.timeout_graceful_shutdown = max(1, int(grace + 0.999))
     await asyncio.gather(grpc_server.stop(grace), http_task, return_exceptions=True)

@@ -31,6 +31,10 @@ from jax_engine.types import (
 )
 
 
+# Text prompts longer than this are tokenized on a worker thread, not on the event loop.
+TOKENIZE_INLINE_CHARS = 16384
+
+
 class Counters:
     """Request accounting: every accepted request ends in exactly one terminal outcome."""
 
@@ -66,6 +70,9 @@ class Engine:
         self._loaded = False
         self.counters = Counters()
         self.start_time = time.time()
+        # in-flight requests by id -> callable(message) that ends them with an explicit error
+        self._inflight: dict[int, object] = {}
+        self._inflight_ids = iter(range(1, 1 << 62))
         from jax_engine.compilation import enable_persistent_cache, install_compile_listener
 
         install_compile_listener()
@@ -130,6 +137,15 @@ class Engine:
         """Refuse new requests from now on; in-flight ones continue."""
         self._draining = True
 
+    def fail_in_flight(self, message: str) -> int:
+        """End every in-flight request now with an explicit Unavailable error (drain deadline);
+        returns how many were ended. Fronts report it as UNAVAILABLE / 503 / GenerateInterrupted.
+        Call on the event loop that serves the requests."""
+        enders = list(self._inflight.values())
+        for end in enders:
+            end(message)
+        return len(enders)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         for name in list(self._workers):
             try:
@@ -178,6 +194,7 @@ class Engine:
         """
         self._admit()
         worker = self._resolve(req.model, "generate")
+        _check_alive(worker, req.model or worker.info.name)
         if not req.request_id:
             req.request_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -186,16 +203,41 @@ class Engine:
         def sink(out: GenerateOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        handle = worker.submit_generate(req, sink)  # raises InvalidRequest / Overloaded
+        if req.prompt is not None and len(req.prompt) > TOKENIZE_INLINE_CHARS:
+            # a long text takes a while to tokenize: keep the event loop serving meanwhile
+            submitting = loop.run_in_executor(None, worker.submit_generate, req, sink)
+            try:
+                handle = await asyncio.shield(submitting)  # raises InvalidRequest / Overloaded
+            except asyncio.CancelledError:  # the consumer left: abort once it is submitted
+                submitting.add_done_callback(
+                    lambda f: f.cancelled() or f.exception() is not None or worker.abort(f.result()))
+                raise
+        else:
+            handle = worker.submit_generate(req, sink)  # raises InvalidRequest / Overloaded
         self.counters.add("accepted")
+        token = next(self._inflight_ids)
+        self._inflight[token] = lambda message: queue.put_nowait(Unavailable(message))
         reasons: list[str] = []
+        done: set[int] = set()
         try:
             while len(reasons) < req.params.n:
-                out: GenerateOutput = await queue.get()
+                out = await queue.get()
+                if isinstance(out, Unavailable):   # fail_in_flight: end the unfinished sequences
+                    worker.abort(handle)
+                    for i in range(req.params.n):
+                        if i not in done:
+                            done.add(i)
+                            reasons.append("error")
+                            yield GenerateOutput(request_id=req.request_id, index=i, finished=True,
+                                                 finish_reason="error", error=out.message,
+                                                 error_kind=out.kind)
+                    break
                 if out.finished:
+                    done.add(out.index)
                     reasons.append(out.finish_reason or "stop")
                 yield out
         finally:
+            self._inflight.pop(token, None)
             if len(reasons) < req.params.n:
                 worker.abort(handle)           # the consumer left early
             self.counters.add(_outcome(reasons, req.params.n))
@@ -203,6 +245,7 @@ class Engine:
     async def embed(self, req: EmbedRequest) -> EmbedOutput:
         self._admit()
         worker = self._resolve(req.model, "embed")
+        _check_alive(worker, req.model or worker.info.name)
         if not req.request_id:
             req.request_id = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -216,14 +259,30 @@ class Engine:
             loop.call_soon_threadsafe(_set)
 
         # tokenization of a large batch should not block the event loop
-        await asyncio.to_thread(worker.submit_embed, req, done)
+        submitting = loop.run_in_executor(None, worker.submit_embed, req, done)
+        try:
+            await asyncio.shield(submitting)  # raises InvalidRequest / Overloaded
+        except asyncio.CancelledError:  # the consumer left: abort once it is queued
+            submitting.add_done_callback(
+                lambda f: f.cancelled() or f.exception() is not None or worker.abort(req.request_id))
+            raise
         self.counters.add("accepted")
+        token = next(self._inflight_ids)
+
+        def end(message: str) -> None:
+            if not fut.done():
+                worker.abort(req.request_id)
+                fut.set_result(Unavailable(message))
+
+        self._inflight[token] = end
         try:
             result = await fut
         except asyncio.CancelledError:
             worker.abort(req.request_id)
             self.counters.add("cancelled")
             raise
+        finally:
+            self._inflight.pop(token, None)
         if result is None:
             self.counters.add("cancelled")
             raise Unavailable(f"request {req.request_id!r} was aborted")
@@ -276,6 +335,12 @@ def _outcome(reasons: list[str], n: int) -> str:
     if len(reasons) < n or "abort" in reasons:
         return "cancelled"
     return "completed"
+
+
+def _check_alive(worker, name: str) -> None:
+    """A worker whose thread died (or whose device is gone) takes no new requests."""
+    if not worker.alive():
+        raise Unavailable(f"model {name!r} is unavailable: its worker is not alive (device lost or crashed)")
 
 
 def _task_matches(model_task: str, wanted: str) -> bool:

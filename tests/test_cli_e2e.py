@@ -2,8 +2,8 @@
 
 The end-to-end part starts the real server with no --model (the bundled MiniLM + the demo
 generator, built fresh under a temporary XDG_CACHE_HOME), waits for /ready, calls one RPC of
-every gRPC service and one route of every HTTP kind, then sends SIGTERM during a stream and
-expects a drain and exit code 0. Its engine flags equal the shared test engine's, so warm JAX
+every gRPC service and one route of every HTTP kind, then sends SIGTERM during 8 live streams
+(HTTP and gRPC) and expects all 8 to finish, then exit code 0. Its engine flags equal the shared test engine's, so warm JAX
 compilation-cache entries are reused.
 """
 from __future__ import annotations
@@ -211,31 +211,57 @@ def test_one_route_of_every_http_kind(server):
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_zero(server):
+    """SIGTERM during 8 live streams (4 HTTP SSE, 4 SGLang gRPC): readiness and health flip at
+    once, new requests get 503, and all 8 streams finish normally before the process exits 0."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    first_chunk = threading.Event()
-    result: dict = {}
+    from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as sg_pb, sglang_scheduler_pb2_grpc as sg_grpc
 
-    def stream() -> None:
+    streams = 8
+    started = threading.Barrier(streams + 1, timeout=120)
+    results: dict = {}
+
+    def http_stream(i: int) -> None:
         try:
-            with httpx.Client(base_url=server.http, timeout=60) as c:
+            with httpx.Client(base_url=server.http, timeout=120) as c:
                 with c.stream("POST", "/v1/chat/completions", json={
-                        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 240, "n": 8,
+                        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 240,
                         "ignore_eos": True, "stream": True}) as r:
-                    events = []
+                    events, first = [], True
                     for line in r.iter_lines():
                         if line.startswith("data: "):
                             events.append(line[6:])
-                            first_chunk.set()
-                    result["events"] = events
+                            if first and '"content":"' in line and '"content":""' not in line:
+                                first = False
+                                started.wait()
+                    finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"]
+                                if c["finish_reason"]]
+                    results[f"http-{i}"] = (events[-1], finishes)
         except Exception as e:  # reported by the assertions below
-            result["error"] = repr(e)
-        finally:
-            first_chunk.set()
+            results[f"http-{i}"] = repr(e)
+            started.abort()
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert first_chunk.wait(60)
+    def grpc_stream(i: int) -> None:
+        sp = sg_pb.SamplingParams(temperature=0.0, max_new_tokens=240, ignore_eos=True)
+        try:
+            with grpc.insecure_channel(server.grpc) as ch:
+                replies = []
+                for msg in sg_grpc.SglangSchedulerStub(ch).Generate(sg_pb.GenerateRequest(
+                        request_id=f"drain-{i}", tokenized=sg_pb.TokenizedInput(input_ids=[1, 40 + i, 41]),
+                        sampling_params=sp, stream=True), timeout=120):
+                    replies.append(msg)
+                    if len(replies) == 1:
+                        started.wait()
+                done = replies[-1].complete
+                results[f"grpc-{i}"] = ("complete", [done.finish_reason], done.completion_tokens)
+        except Exception as e:
+            results[f"grpc-{i}"] = repr(e)
+            started.abort()
+
+    threads = [threading.Thread(target=http_stream if i < 4 else grpc_stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    started.wait()  # every stream has produced output
     server.proc.send_signal(signal.SIGTERM)
     assert wait_for(lambda: server.find("draining"), 10), server.log()
     with httpx.Client(base_url=server.http, timeout=10) as c:
@@ -243,15 +269,23 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(server):
         refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     with grpc.insecure_channel(server.grpc) as ch:
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
-    t.join(60)
+        with pytest.raises(grpc.RpcError) as refused_grpc:
+            list(sg_grpc.SglangSchedulerStub(ch).Generate(sg_pb.GenerateRequest(
+                request_id="too-late", tokenized=sg_pb.TokenizedInput(input_ids=[1, 2, 3])), timeout=10))
+    for t in threads:
+        t.join(120)
     code = server.proc.wait(60)
-    assert "error" not in result, result
     assert ready.status_code == 503 and ready.json()["status"] == "draining"
     assert refused.status_code == 503
+    assert refused_grpc.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused_grpc.value.details()
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    events = result["events"]
-    assert events[-1] == "[DONE]"
-    finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
-    assert sorted(finishes) == ["length"] * 8  # the in-flight stream finished normally
+    assert len(results) == streams, results
+    for name, outcome in results.items():  # every in-flight stream finished normally
+        assert isinstance(outcome, tuple), (name, outcome)
+        if name.startswith("http"):
+            assert outcome == ("[DONE]", ["length"]), (name, outcome)
+        else:
+            assert outcome == ("complete", ["length"], 240), (name, outcome)
+    assert server.find(r"drain: 8 request\(s\) in flight"), server.log()  # SIGTERM came during all 8
     assert code == 0, server.log()
     assert server.find(r"xlaserve: stopped")

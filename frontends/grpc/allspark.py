@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -436,6 +437,10 @@ def sampling_from_config(c: pb.GenerateConfig, prompt_len: int,
     for name, is_set in unsupported:
         if is_set:
             raise _Refused(PARAM_ERROR, f"config.{name} is not supported")
+    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty"):
+        value = getattr(c, name)
+        if not math.isfinite(value):  # NaN would otherwise read as "unset" below
+            raise _Refused(PARAM_ERROR, f"config.{name} must be a finite number, got {value}")
     if c.top_p < 0 or c.top_p > 1:
         raise _Refused(PARAM_ERROR, f"config.top_p must be in [0, 1], got {c.top_p}")
     if c.max_length > info.max_model_len:

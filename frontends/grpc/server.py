@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
@@ -94,7 +95,8 @@ def _same(token: Optional[str], key: str) -> bool:
 
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Applies AccessPolicy before any servicer code runs."""
+    """Applies AccessPolicy before any servicer code runs, and answers INVALID_ARGUMENT (not
+    gRPC's default UNKNOWN) for request bytes that do not parse as the method's message."""
 
     def __init__(self, policy: AccessPolicy):
         self.policy = policy
@@ -104,11 +106,60 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         auth = None
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
-                auth = value if isinstance(value, str) else value.decode()
+                auth = value if isinstance(value, str) else value.decode("utf-8", "replace")
         refusal = self.policy.check(handler_call_details.method, auth)
         if refusal is None:
-            return handler
+            return _checked_handler(handler)
         return _refusing_handler(handler, refusal)  # unknown methods too: no probing without a key
+
+
+class _Undecodable:
+    """Stands in for a request message whose bytes did not parse."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _safe_deserializer(deserialize: Optional[Callable[[bytes], Any]]) -> Optional[Callable[[bytes], Any]]:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # DecodeError, invalid UTF-8 in a string field, recursion limit...
+            return _Undecodable(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return parse
+
+
+def _checked_handler(handler: Optional[grpc.RpcMethodHandler]) -> Optional[grpc.RpcMethodHandler]:
+    """`handler` with undecodable unary requests refused as INVALID_ARGUMENT before the servicer
+    runs. Request-streaming methods (only server reflection here) are left as they are."""
+    if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    kw = dict(request_deserializer=_safe_deserializer(handler.request_deserializer),
+              response_serializer=handler.response_serializer)
+    if handler.unary_stream:
+        inner_stream = handler.unary_stream
+
+        async def stream(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.reason}")
+            result = inner_stream(request, context)
+            if hasattr(result, "__aiter__"):
+                async for item in result:
+                    yield item
+            else:  # pragma: no cover - a coroutine writing through context.write
+                await result
+        return grpc.unary_stream_rpc_method_handler(stream, **kw)
+    inner = handler.unary_unary
+
+    async def unary(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.reason}")
+        result = inner(request, context)
+        return await result if inspect.isawaitable(result) else result
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
 
 
 def _refusing_handler(handler: Optional[grpc.RpcMethodHandler], err: EngineError) -> grpc.RpcMethodHandler:
@@ -122,7 +173,8 @@ def _refusing_handler(handler: Optional[grpc.RpcMethodHandler], err: EngineError
 
     if handler is None:
         return grpc.unary_unary_rpc_method_handler(refuse)
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    kw = dict(request_deserializer=_safe_deserializer(handler.request_deserializer),
+              response_serializer=handler.response_serializer)
     if handler.stream_stream:  # server reflection
         return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
     if handler.stream_unary:
@@ -174,6 +226,37 @@ async def mark_not_serving(server: Any) -> None:
 
 
 # ---------------------------------------------------------------------- the server
+# HTTP/2 abuse bounds (reliability_security.md §6 row 22: rapid reset, stream and ping floods).
+DEFAULT_MAX_CONCURRENT_STREAMS = 256     # per connection; more streams wait for a free one
+KEEPALIVE_TIME_MS = 60_000               # the server pings idle transports to find dead clients...
+KEEPALIVE_TIMEOUT_MS = 20_000            # ...and drops the connection (cancelling its calls) if no ack
+MIN_CLIENT_PING_INTERVAL_MS = 10_000     # client pings more often than this are "bad pings"...
+MAX_PING_STRIKES = 2                     # ...and after this many the connection gets GOAWAY
+MAX_CONNECTION_IDLE_MS = 15 * 60_000     # idle connections are closed
+MAX_CONNECTION_AGE_MS = 60 * 60_000      # every connection is recycled after an hour...
+MAX_CONNECTION_AGE_GRACE_MS = 10 * 60_000  # ...with 10 minutes for its streams to finish
+
+
+def server_options(max_message_bytes: int,
+                   max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS) -> list[tuple[str, int]]:
+    """grpc.aio server channel arguments: message size limits plus the HTTP/2 abuse bounds."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", max_concurrent_streams),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+        ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
+    ]
+
+
 def build_grpc_server(
     engine: Any,
     *,
@@ -189,6 +272,7 @@ def build_grpc_server(
     tls_client_ca: Optional[str] = None,
     servicers: Optional[dict[str, Any]] = None,
     on_shutdown: Optional[ShutdownHook] = None,
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS,
 ) -> tuple[grpc.aio.Server, list[str]]:
     """Build (not start) the server. Returns it and the bound addresses, main listener first:
     "host:port" with the real port (port 0 picks one) and "unix:/path" as given.
@@ -199,9 +283,7 @@ def build_grpc_server(
     policy = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, enable_admin=enable_admin)
     server = grpc.aio.server(
         interceptors=[_AuthInterceptor(policy)],
-        options=[("grpc.max_send_message_length", max_message_bytes),
-                 ("grpc.max_receive_message_length", max_message_bytes),
-                 ("grpc.so_reuseport", 0)],
+        options=server_options(max_message_bytes, max_concurrent_streams=max_concurrent_streams),
     )
     if servicers is None:
         async def default_shutdown() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 import uuid
 from datetime import datetime, timezone
@@ -230,9 +231,13 @@ def build_generate_request(request: pb.GenerateRequest, info: ModelInfo) -> tupl
     _refuse_unsupported(request)
     if not request.HasField("tokenized"):
         raise InvalidRequest("tokenized is required (this protocol carries token ids, not text)")
-    prompt = list(request.tokenized.input_ids)
-    if not prompt:
+    n_ids = len(request.tokenized.input_ids)
+    if not n_ids:
         raise InvalidRequest("tokenized.input_ids must not be empty")
+    if n_ids >= info.max_model_len:  # refuse a huge prompt before copying it (the engine checks the rest)
+        raise InvalidRequest(f"tokenized.input_ids: {n_ids} tokens exceeds the limit of {info.max_model_len - 1} "
+                             f"(context length {info.max_model_len})")
+    prompt = list(request.tokenized.input_ids)
     params, interval = sampling_from_proto(request.sampling_params if request.HasField("sampling_params") else None)
     if params.max_new_tokens is not None:
         # SGLang clips a requested max_new_tokens to the room left in the context.
@@ -261,6 +266,12 @@ def sampling_from_proto(p: Optional[pb.SamplingParams]) -> tuple[SamplingParams,
         raise InvalidRequest("sampling_params.custom_params is not supported")
     if p.top_p > 1.0:
         raise InvalidRequest(f"sampling_params.top_p must be in (0, 1], got {p.top_p}")
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        value = getattr(p, name)
+        if not math.isfinite(value):  # NaN would otherwise read as "unset" below
+            raise InvalidRequest(f"sampling_params.{name} must be a finite number, got {value}")
+    if p.top_k < -1:
+        raise InvalidRequest(f"sampling_params.top_k must be -1 or 0 (off) or positive, got {p.top_k}")
     if p.HasField("max_new_tokens") and p.max_new_tokens < 0:
         raise InvalidRequest(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
     try:

@@ -36,6 +36,9 @@ from jax_engine.errors import EngineError, Unauthenticated
 log = logging.getLogger("xlaserve.http")
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# An HTTP request head, and then its body, must each arrive within this (slowloris -> 408);
+# the head's limit is enforced by frontends/http/transport.py, the body's by BodyLimitMiddleware.
+DEFAULT_HTTP_READ_TIMEOUT_S = 60.0
 
 # Probes and the scrape itself are not counted as requests.
 _UNCOUNTED_PATHS = ("/health", "/ready", "/metrics")
@@ -237,7 +240,8 @@ def error_response(path: str, err: BaseException, headers: Optional[dict[str, st
 
 # Code names (as error_body spells them) for statuses HTTP_BY_GRPC does not cover, or covers
 # with a less fitting first match (500 -> "unknown").
-_CODE_FOR_STATUS = {405: "unimplemented", 413: "resource_exhausted", 500: "internal"}
+_CODE_FOR_STATUS = {405: "unimplemented", 408: "deadline_exceeded", 413: "resource_exhausted", 431: "resource_exhausted",
+                    500: "internal"}
 
 
 def _plain_error(path: str, status: int, message: str, headers: Optional[dict[str, str]] = None) -> JSONResponse:
@@ -392,15 +396,17 @@ class BearerAuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for request bodies over `limit` bytes, declared (Content-Length) or streamed (chunked).
+    """413 for request bodies over `limit` bytes, declared (Content-Length) or streamed (chunked);
+    408 for a body that has not fully arrived within `timeout_s` seconds (slowloris).
 
     The body is read here, up to the limit, and replayed to the app; later `receive()` calls go
     to the server again, so disconnect detection downstream still works.
     """
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app, limit: int, timeout_s: float = DEFAULT_HTTP_READ_TIMEOUT_S) -> None:
         self.app = app
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -429,8 +435,14 @@ class BodyLimitMiddleware:
         chunks: list[bytes] = []
         total = 0
         first: dict[str, Any]
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                await _plain_error(scope["path"], 408, f"the request body did not arrive within {self.timeout_s:g}s",
+                                   headers={"Connection": "close"})(scope, receive, send)
+                return
             if message["type"] != "http.request":
                 first = message  # disconnect while uploading: let the app see it
                 break
@@ -473,7 +485,8 @@ def package_version() -> str:
 
 def create_app(engine, *, api_key: Optional[str] = None, servicers: Optional[dict] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, admin_api_key: Optional[str] = None,
-               enable_admin: bool = False, metrics: Optional[ServerMetrics] = None) -> FastAPI:
+               enable_admin: bool = False, metrics: Optional[ServerMetrics] = None,
+               body_timeout_s: float = DEFAULT_HTTP_READ_TIMEOUT_S) -> FastAPI:
     """The HTTP front over `engine`.
 
     `servicers` (from `frontends.grpc.server.make_servicers`) adds the JSON mirror routes, with
@@ -528,7 +541,7 @@ def create_app(engine, *, api_key: Optional[str] = None, servicers: Optional[dic
     _install_error_handlers(app)
     _document_400_not_422(app)
     # add_middleware wraps: the last added runs first.
-    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, timeout_s=body_timeout_s)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, keys=[k for k in (api_key, admin_api_key) if k])
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)

@@ -127,9 +127,28 @@ def add_mirror_routes(
                 summary=f"{method.name}: {method.input_type.name} -> {method.output_type.name} ({kind})",
                 openapi_extra={"requestBody": {"required": False, "content": {"application/json": {
                     "schema": {"type": "object", "description": f"{method.input_type.full_name}, proto3 JSON"}}}}},
+                responses=_MIRROR_RESPONSES,
             )
             paths.append(path)
     return paths
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["code", "message"],
+                 "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}
+# Every status a mirror route can answer besides 200 (gRPC status -> HTTP as frontends/errors.py maps it).
+_MIRROR_RESPONSES: dict[Any, dict[str, Any]] = {
+    status: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    for status, text in (
+        (400, "malformed JSON, unknown field, or INVALID_ARGUMENT / FAILED_PRECONDITION / OUT_OF_RANGE"),
+        (401, "missing or wrong API key (UNAUTHENTICATED)"), (403, "admin operation not allowed (PERMISSION_DENIED)"),
+        (404, "unknown model or request (NOT_FOUND)"), (408, "the request body did not arrive in time"),
+        (409, "ALREADY_EXISTS / ABORTED"), (413, "request body too large"),
+        (429, "queue full (RESOURCE_EXHAUSTED); see Retry-After"), (499, "the call was cancelled (CANCELLED)"),
+        (500, "internal failure (INTERNAL / UNKNOWN / DATA_LOSS); no traceback"),
+        (501, "method not implemented (UNIMPLEMENTED)"),
+        (503, "starting, draining, or a worker is down (UNAVAILABLE)"), (504, "DEADLINE_EXCEEDED"),
+    )
+}
 
 
 def _endpoint(path: str, method: Any, call: Callable[..., Any], policy: AccessPolicy,

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import replace
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from frontends.errors import code_name, error_message, grpc_code, http_status
 from jax_engine.demo_model import is_demo_model
+from jax_engine.engine import TOKENIZE_INLINE_CHARS
 from jax_engine.errors import (AlreadyExists, EngineError, Internal, InvalidRequest, NotFound, Overloaded,
                                PermissionDenied, Unauthenticated, Unavailable)
 from jax_engine.types import EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
@@ -212,6 +214,8 @@ def _sampling_params(engine, body: _SamplingFields, *, max_tokens: Optional[int]
     # The engine validates every limit again (n, stop strings, stop ids, ...) and names those
     # fields itself; checked here are the fields whose OpenAI names differ from the engine's.
     args = engine.args
+    if body.n > args.max_n:  # before anything is allocated per choice (vLLM GHSA-3mwp-wvh9-7528)
+        raise field_error("n", f"n must be at most {args.max_n} (got {body.n})")
     if top_logprobs > args.max_top_logprobs:
         raise field_error(top_logprobs_field,
                           f"{top_logprobs_field} must be at most {args.max_top_logprobs} (got {top_logprobs})")
@@ -496,9 +500,11 @@ _ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
     400: {"description": "malformed or unsupported request (names the field)"},
     401: {"description": "missing or wrong API key"},
     404: {"description": "unknown model"},
+    408: {"description": "the request body did not arrive in time"},
     413: {"description": "request body too large"},
     429: {"description": "queue full; see Retry-After"},
-    503: {"description": "starting or draining"},
+    500: {"description": "internal failure (e.g. a failed model step); no traceback"},
+    503: {"description": "starting, draining, or the model's worker is down"},
 }
 
 
@@ -574,7 +580,11 @@ async def create_chat_completion(request: Request, body: ChatCompletionRequest) 
     _refuse_unsupported(body)
     info = _resolve(engine, body.model, "generate")
     tokenizer = engine.tokenizer(info.name, "generate")
-    prompt_ids = _render_chat(tokenizer, body.messages, info)
+    if _chat_chars(body.messages) > TOKENIZE_INLINE_CHARS:
+        # rendering and tokenizing a long conversation takes a while: off the event loop
+        prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages, info)
+    else:
+        prompt_ids = _render_chat(tokenizer, body.messages, info)
     if body.top_logprobs is not None and not body.logprobs:
         raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
     top_n = body.top_logprobs or 0
@@ -637,10 +647,39 @@ class _Shape:
         return item
 
 
+def _engine_field_names(body: _SamplingFields) -> dict[str, str]:
+    """Engine field name -> the name this route's request uses for it."""
+    if isinstance(body, ChatCompletionRequest):
+        max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return {"max_new_tokens": max_name, "min_new_tokens": "min_tokens", "prompt_ids": "messages",
+                "prompt": "messages"}
+    return {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs",
+            "prompt_ids": "prompt"}
+
+
+def _openai_field_error(err: InvalidRequest, renames: dict[str, str]) -> InvalidRequest:
+    """`err` with `param` set from its leading "field:" and the engine's field names replaced."""
+    field, sep, _ = err.message.partition(":")
+    if not sep or not field.isidentifier():
+        return err
+    message = err.message
+    for engine_name, name in sorted(renames.items(), key=lambda kv: -len(kv[0])):
+        message = re.sub(rf"\b{engine_name}\b", name, message)
+    return field_error(renames.get(field, field), message)
+
+
 async def _respond(request: Request, engine, reqs: list[GenerateRequest], body: _SamplingFields, shape: _Shape,
                    *, rid: str, model: str) -> Response:
     """Run the generation and answer as one JSON body or as an SSE stream."""
     gen = _Generation(engine, reqs, body.n)
+    renames = _engine_field_names(body)
+
+    async def start() -> None:
+        try:
+            await gen.start()
+        except InvalidRequest as e:  # the engine names its own fields; say them the OpenAI way
+            raise _openai_field_error(e, renames) from None
+
     created = int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     choices = [_Choice(i) for i in range(len(reqs) * body.n)]
@@ -650,7 +689,7 @@ async def _respond(request: Request, engine, reqs: list[GenerateRequest], body: 
 
     if not body.stream:
         async def collect() -> dict[str, Any]:
-            await gen.start()
+            await start()
             try:
                 async for idx, ev in gen.events():
                     choices[idx].absorb(ev)
@@ -671,7 +710,7 @@ async def _respond(request: Request, engine, reqs: list[GenerateRequest], body: 
     # Admission errors become a plain HTTP error before the stream starts; a client that leaves
     # while its prompt is prefilled aborts it here already.
     try:
-        await _unless_disconnected(request, gen.start())
+        await _unless_disconnected(request, start())
     except _ClientGone:
         return _gone()
 
@@ -782,6 +821,16 @@ def _make_request(rid: str, i: int, count: int, prompt: Union[str, list[int]], p
     else:
         req.prompt_ids = prompt
     return req
+
+
+def _chat_chars(messages: list[ChatMessage]) -> int:
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(p.text or "") for p in m.content)
+    return total
 
 
 def _render_chat(tokenizer, messages: list[ChatMessage], info: ModelInfo) -> list[int]:
