@@ -28,7 +28,7 @@ import numpy as np
 
 from jax_engine.compilation import ProgramCache, install_compile_listener
 from jax_engine.config import EngineArgs, ModelSpec
-from jax_engine.errors import EngineError, Internal, InvalidRequest, Overloaded, Unavailable
+from jax_engine.errors import AlreadyExists, EngineError, Internal, InvalidRequest, Overloaded, Unavailable
 from jax_engine.models import bert
 from jax_engine.types import EmbedOutput, EmbedRequest, ModelInfo, ModelStats
 from weights_convert.hf import CheckpointError
@@ -234,7 +234,7 @@ class EmbedWorker:
             if self._stopped:
                 raise Unavailable(f"model {self.spec.name!r} is stopped")
             if req.request_id in self._jobs:
-                raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
+                raise AlreadyExists(f"request_id {req.request_id!r} is already in flight")
             if self._waiting_count() >= self.args.max_waiting_requests:
                 raise Overloaded(
                     f"model {self.spec.name!r} has {self.args.max_waiting_requests} requests waiting "

@@ -161,9 +161,7 @@ class GenerateWorker:
         if any(req.request_id in s.requests for s in self.replicas):
             from jax_engine.errors import AlreadyExists
             raise AlreadyExists(f"request_id {req.request_id!r} is already active")
-        waiting = sum(s.load() for s in self.replicas) - sum(len(s.running) for s in self.replicas)
-        if waiting >= self.args.max_waiting_requests:
-            raise Overloaded(f"waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
+        self._check_queue()
         p = req.params
         seed = p.seed if p.seed is not None else random.getrandbits(32)
         r = Request(request_id=req.request_id, prompt_ids=ids, params=p, sink=sink, max_new_tokens=max_new,
@@ -173,6 +171,11 @@ class GenerateWorker:
                 self.tokenizer, ids, p.skip_special_tokens, list(p.stop), p.include_stop_str_in_output)))
         sched.submit(r)
         return req.request_id
+
+    def _check_queue(self) -> None:
+        waiting = sum(s.load() for s in self.replicas) - sum(len(s.running) for s in self.replicas)
+        if waiting >= self.args.max_waiting_requests:
+            raise Overloaded(f"waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
 
     def abort(self, request_id: str) -> bool:
         found = False
@@ -193,6 +196,7 @@ class GenerateWorker:
         items = req.texts if req.texts is not None else req.token_ids
         if not items:
             raise InvalidRequest("input: at least one input is required")
+        self._check_queue()
         if len(items) > self.args.max_embed_inputs:
             raise InvalidRequest(f"input: {len(items)} inputs exceeds the limit of {self.args.max_embed_inputs}")
         limit = self.max_model_len - 1

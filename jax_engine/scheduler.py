@@ -190,9 +190,13 @@ class Scheduler:
                 f.pages = [self.pool.allocate()] if extra else []
             for s in group:
                 s.slot = self.free_slots.pop()
-                self.runner.set_slot(s.slot, s.req.prompt_ids, s.output_ids)
                 s.state = SeqState.PREFILL
             self.prefilling.append(seq)
+            try:
+                for s in group:
+                    self.runner.set_slot(s.slot, s.req.prompt_ids, s.output_ids)
+            except Exception as e:
+                self._step_failed(group, e)
 
     def _prefill(self, batch: list[tuple[Sequence, int]]) -> None:
         chunks = [(seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed, seq.pages) for seq, n in batch]

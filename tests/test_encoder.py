@@ -21,7 +21,7 @@ import pytest
 from jax_engine.compilation import global_compile_count
 from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.embed_worker import EmbedWorker, EncoderBuckets
-from jax_engine.errors import EngineError, InvalidRequest, NotFound, Overloaded, Unavailable
+from jax_engine.errors import AlreadyExists, EngineError, InvalidRequest, NotFound, Overloaded, Unavailable
 from jax_engine.models import bert
 from jax_engine.types import EmbedOutput, EmbedRequest
 from weights_convert.hf import CheckpointError
@@ -427,7 +427,7 @@ def test_overload_and_abort(xlmr_dir):
     w.submit(EmbedRequest("b", texts=["dog"]), done)
     with pytest.raises(Overloaded, match="2 requests waiting.*max_waiting_requests"):
         w.submit(EmbedRequest("c", texts=["sun"]), done)
-    with pytest.raises(InvalidRequest, match="already in flight"):
+    with pytest.raises(AlreadyExists, match="already in flight"):
         w.submit(EmbedRequest("a", texts=["fox"]), done)
     assert w.stats().waiting_requests == 2
     assert w.abort("a") is True and calls == [None]  # aborted: done(None)
