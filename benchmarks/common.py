@@ -1,0 +1,557 @@
+"""Shared pieces of the benchmarks: corpus, timing, machine-limit probes, CPU accounting, output.
+
+Rules every benchmark follows (this machine is small and shared):
+  * A and B run in the same process and the same time window, alternating, and the figures
+    are medians over repeats; ratios come from the same run, never from stored numbers.
+  * Every result records how much of the 2 cores this process got and how busy everything
+    else was (``cpu`` block); a run where others took a noticeable share is flagged
+    ``disturbed`` and should be repeated before anyone draws conclusions from it.
+  * One JSON document per script goes to stdout and to ``benchmarks/results/<name>.json``
+    (``<name>_quick.json`` in --quick mode, so a smoke run never overwrites real numbers).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import resource
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_CORES = os.cpu_count() or 1
+# "others used more than this share of the cores during the run" marks a run as disturbed
+DISTURBED_OTHERS_SHARE = 0.10
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def log(*parts: Any) -> None:
+    """Progress goes to stderr; stdout carries only the JSON document."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# =============================================================================================
+# corpus
+# =============================================================================================
+# Ordinary English words, so word-piece tokenizers see realistic text (about one token per
+# word for MiniLM's vocabulary). The list is part of the benchmark definition: do not reorder.
+WORDS = """
+the of and to in is was for on that with as by at from his her are were be this which have
+or one had not but what all when we there can an your will each about how up out them then she
+many some so these would other into has more two like him see time could no make than first
+been its who now people my made over did down only way find use may water long little very after
+words called just where most know get through back much before go good new write our used me
+man too any day same right look think also around another came come work three word must because
+does part even place well such here take why things help put years different away again off went
+old number great tell men say small every found still between name should home big give air line
+set own under read last never us left end along while might next sound below saw something thought
+both few those always looked show large often together asked house world going want school
+important until form food keep children feet land side without boy once animals life enough took
+sometimes four head above kind began almost live page got earth need far hand high year mother
+light parts country father let night following picture being study second eyes soon times story
+boys since white days ever paper hard near sentence better best across during today others sure
+means knew its try told young miles sun ways thing whole hear example heard several change answer
+room sea against top turned learn point city play toward five using himself usually money seen
+car morning given body family later turn move face door cut done group true leave color red friends
+easy early open behind river order am ready building map mountains certain reached bread problem
+piece weather bright market train garden morning kitchen window table chair doctor music quiet
+""".split()
+
+
+def make_corpus(n: int = 2000, seed: int = 1234, min_words: int = 8, max_words: int = 60) -> list[str]:
+    """`n` deterministic sentences of min_words..max_words words drawn from WORDS."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.randint(min_words, max_words)
+        words = [rng.choice(WORDS) for _ in range(k)]
+        words[0] = words[0].capitalize()
+        out.append(" ".join(words) + ".")
+    return out
+
+
+# =============================================================================================
+# statistics and timing
+# =============================================================================================
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; nan for an empty list."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(xs: Sequence[float], scale: float = 1.0, digits: int = 3) -> dict[str, float]:
+    """p50/p90/p99/mean/min/max of xs (times `scale`, e.g. 1e3 for seconds -> ms)."""
+    if not xs:
+        return {"n": 0}
+    ys = [x * scale for x in xs]
+    return {"n": len(ys), "p50": rnd(percentile(ys, 50), digits), "p90": rnd(percentile(ys, 90), digits),
+            "p99": rnd(percentile(ys, 99), digits), "mean": rnd(sum(ys) / len(ys), digits),
+            "min": rnd(min(ys), digits), "max": rnd(max(ys), digits)}
+
+
+def rnd(x: Optional[float], digits: int = 3) -> Optional[float]:
+    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
+        return None
+    return round(float(x), digits)
+
+
+def ratio(a: Optional[float], b: Optional[float], digits: int = 3) -> Optional[float]:
+    if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
+        return None
+    return round(a / b, digits)
+
+
+def alternate(names: Sequence[str], repeat: int) -> list[str]:
+    """Run order that alternates A and B and rotates who goes first: AB BA AB ... (ABC BCA CAB ...)."""
+    order = []
+    for r in range(repeat):
+        k = r % len(names)
+        order += list(names[k:]) + list(names[:k])
+    return order
+
+
+def run_pairs(sides: dict[str, Callable[[], dict]], repeats: int, retries: int = 0, label: str = "",
+              first: int = 0, quiet_s: float = 0.0) -> dict[str, list[dict]]:
+    """Run every side `repeats` times, alternating who goes first; each call returns a dict
+    with a `cpu` block (from cpu_window). A round in which any side was disturbed is run again,
+    up to `retries` extra rounds in all; every round is kept and marked `clean` or not.
+    Before each round, wait up to `quiet_s` seconds for other processes to go quiet."""
+    names = list(sides)
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    clean_rounds, r = 0, 0
+    while r < repeats + retries and not (r >= repeats and clean_rounds >= repeats):
+        if quiet_s > 0:
+            q = wait_for_quiet(quiet_s, DISTURBED_OTHERS_SHARE)
+            if q["waited_s"] > 1:
+                log(f"  waited {q['waited_s']}s for a quiet machine (others {q['others_share_at_start']})")
+        k = (r + first) % len(names)
+        got = {}
+        for n in names[k:] + names[:k]:
+            res = sides[n]()
+            got[n] = res
+            log(f"  {label} round {r + 1} {n}: {res.get('headline', '')} cpu {res['cpu']['cpu_share_of_cores']}"
+                f" others {res['cpu']['others_share_of_cores']}{' DISTURBED' if res['cpu']['disturbed'] else ''}")
+        clean = not any(g["cpu"]["disturbed"] for g in got.values())
+        for n in names:
+            got[n]["round"] = r
+            got[n]["clean"] = clean
+            out[n].append(got[n])
+        clean_rounds += clean
+        r += 1
+    return out
+
+
+def paired_summary(a: list[dict], b: list[dict], key: str, digits: int = 2) -> dict:
+    """Medians of `key` over all rounds and over clean rounds, and the ratios a / b."""
+    def med(runs: list[dict]) -> Optional[float]:
+        return rnd(median(x[key] for x in runs if x.get(key) is not None), digits)
+
+    ca = [x for x in a if x.get("clean")]
+    cb = [x for x in b if x.get("clean")]
+    out = {"a": med(a), "b": med(b), "ratio": ratio(med(a), med(b)),
+           "a_clean": med(ca) if ca else None, "b_clean": med(cb) if cb else None,
+           "ratio_clean": ratio(med(ca), med(cb)) if ca and cb else None,
+           "rounds": len(a), "clean_rounds": len(ca),
+           "paired_ratios": [ratio(x.get(key), y.get(key)) for x, y in zip(a, b)]}
+    # the figure to quote: clean rounds when there are any, else everything (flagged)
+    out["best"] = out["ratio_clean"] if out["ratio_clean"] is not None else out["ratio"]
+    return out
+
+
+@contextmanager
+def timed() -> Iterator[Callable[[], float]]:
+    t0 = time.perf_counter()
+    box: dict[str, float] = {}
+    yield lambda: box.get("dt", time.perf_counter() - t0)
+    box["dt"] = time.perf_counter() - t0
+
+
+# =============================================================================================
+# CPU accounting: how much of the machine we got, and how much others took
+# =============================================================================================
+def _proc_stat_busy() -> tuple[float, float]:
+    """(busy seconds of all CPUs, steal seconds) from /proc/stat; (nan, nan) where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()[1:]
+        v = [int(x) for x in parts]
+        tick = os.sysconf("SC_CLK_TCK")
+        user, nice, system, idle, iowait, irq, softirq = v[:7]
+        steal = v[7] if len(v) > 7 else 0
+        return (user + nice + system + irq + softirq) / tick, steal / tick
+    except (OSError, ValueError, IndexError):
+        return float("nan"), float("nan")
+
+
+def pid_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads, plus reaped children) from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+        fields = data[data.rindex(")") + 2:].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / tick
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _self_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+@dataclass
+class CpuWindow:
+    """CPU use over a stretch of wall time: ours (this process + `pids`) against everyone's.
+
+    cpu_share_of_cores: our CPU seconds / (wall x cores); 1.0 = we had both cores all along.
+    others_share_of_cores: everything else that ran (other processes, the kernel for them).
+    steal_share_of_cores: time the hypervisor gave our vCPUs to someone else.
+    """
+
+    pids: list[int] = field(default_factory=list)
+    t0: float = 0.0
+    ours0: float = 0.0
+    busy0: float = 0.0
+    steal0: float = 0.0
+    load0: tuple = ()
+    result: Optional[dict] = None
+
+    def _ours(self) -> float:
+        return _self_cpu_seconds() + sum(pid_cpu_seconds(p) for p in self.pids)
+
+    def start(self) -> "CpuWindow":
+        self.t0 = time.perf_counter()
+        self.ours0 = self._ours()
+        self.busy0, self.steal0 = _proc_stat_busy()
+        self.load0 = os.getloadavg()
+        return self
+
+    def stop(self) -> dict:
+        wall = max(1e-9, time.perf_counter() - self.t0)
+        ours = self._ours() - self.ours0
+        busy, steal = _proc_stat_busy()
+        cap = wall * NUM_CORES
+        others = max(0.0, (busy - self.busy0) - ours) / cap
+        self.result = {
+            "wall_s": rnd(wall, 2),
+            "cores": NUM_CORES,
+            "cpu_share_of_cores": rnd(ours / cap),
+            "others_share_of_cores": rnd(others),
+            "steal_share_of_cores": rnd((steal - self.steal0) / cap),
+            "loadavg_start": [round(x, 2) for x in self.load0],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        }
+        self.result["disturbed"] = bool(
+            (self.result["others_share_of_cores"] or 0) > DISTURBED_OTHERS_SHARE
+            or (self.result["steal_share_of_cores"] or 0) > DISTURBED_OTHERS_SHARE)
+        return self.result
+
+
+@contextmanager
+def cpu_window(pids: Sequence[int] = ()) -> Iterator[CpuWindow]:
+    w = CpuWindow(pids=list(pids)).start()
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
+def busy_processes(limit: int = 5, min_share: float = 0.05, sample_s: float = 0.5) -> list[dict]:
+    """The processes (other than us) using the most CPU right now: who disturbed the run."""
+    me = os.getpid()
+
+    def snap() -> dict[int, float]:
+        out = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit() and int(d) != me:
+                out[int(d)] = pid_cpu_seconds(int(d))
+        return out
+
+    try:
+        a = snap()
+        time.sleep(sample_s)
+        b = snap()
+    except OSError:
+        return []
+    rows = []
+    for pid, t in b.items():
+        if pid in a and not math.isnan(t) and not math.isnan(a[pid]):
+            share = (t - a[pid]) / sample_s / NUM_CORES
+            if share >= min_share:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+                except OSError:
+                    cmd = "?"
+                rows.append({"pid": pid, "share_of_cores": round(share, 2), "cmd": cmd})
+    return sorted(rows, key=lambda r: -r["share_of_cores"])[:limit]
+
+
+def wait_for_quiet(max_wait_s: float = 0.0, threshold: float = 0.15) -> dict:
+    """Optionally wait (up to max_wait_s) until others use < threshold of the cores; report it."""
+    t0 = time.time()
+    while True:
+        busy0, _ = _proc_stat_busy()
+        ours0 = _self_cpu_seconds()
+        time.sleep(0.5)
+        busy1, _ = _proc_stat_busy()
+        others = max(0.0, (busy1 - busy0) - (_self_cpu_seconds() - ours0)) / (0.5 * NUM_CORES)
+        if others < threshold or time.time() - t0 >= max_wait_s:
+            return {"waited_s": round(time.time() - t0, 1), "others_share_at_start": round(others, 3)}
+        time.sleep(2.0)
+
+
+# =============================================================================================
+# machine
+# =============================================================================================
+def machine_info() -> dict:
+    cpu = "?"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu == "?":
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError):
+        mem_gib = float("nan")
+    versions = {}
+    for mod in ("jax", "jaxlib", "torch", "transformers", "sentence_transformers", "numpy", "grpc"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return {
+        "cpu": cpu, "cores": NUM_CORES, "mem_gib": rnd(mem_gib, 1), "python": platform.python_version(),
+        "isa": sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8",
+                                               "avx512_vnni", "avx_vnni")),
+        "versions": versions,
+    }
+
+
+def set_torch_threads(n: int = NUM_CORES) -> int:
+    import torch
+
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def _probe(fn: Callable[[], Any], repeats: int) -> list[float]:
+    fn()  # warm: page faults, first-touch, caches, compiles
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_limits(gib: float = 2.0, repeats: int = 5, matmul: bool = True, jax_too: bool = True) -> dict:
+    """Read bandwidth (torch sum with all threads, numpy sum with one) and fp32 matmul rate.
+
+    The bandwidth figure that sets the decode roofline is `torch_sum_gbps`: a read-only pass
+    over `gib` GiB, far larger than any cache, using every core as the engine would. Limits
+    are the best of the repeats (another process can only make a repeat slower); the
+    medians are kept beside them.
+    """
+    import numpy as np
+    import torch
+
+    threads = set_torch_threads()
+    n = int(gib * 2 ** 30) // 4
+    nbytes = n * 4
+    res: dict[str, Any] = {"buffer_gib": gib, "torch_threads": threads, "repeats": repeats}
+    with cpu_window() as w:
+        x = torch.ones(n, dtype=torch.float32)
+        t = _probe(lambda: float(x.sum()), repeats)
+        res["torch_sum_gbps"] = rnd(nbytes / min(t) / 1e9, 2)
+        res["torch_sum_gbps_median"] = rnd(nbytes / median(t) / 1e9, 2)
+        res["torch_sum_gbps_runs"] = [rnd(nbytes / s / 1e9, 1) for s in t]
+        del x
+        a = np.ones(n, dtype=np.float32)
+        t = _probe(lambda: float(a.sum()), max(3, repeats // 2))
+        res["numpy_sum_1thread_gbps"] = rnd(nbytes / min(t) / 1e9, 2)
+        if jax_too:
+            import jax
+            import jax.numpy as jnp
+
+            xj = jnp.asarray(a)
+            f = jax.jit(lambda v: jnp.sum(v))
+            t = _probe(lambda: f(xj).block_until_ready(), repeats)
+            res["jax_sum_gbps"] = rnd(nbytes / min(t) / 1e9, 2)
+            del xj
+        del a
+        if matmul:
+            m = 4096 if gib >= 1 else 2048
+            A = torch.randn(m, m)
+            B = torch.randn(m, m)
+            t = _probe(lambda: torch.matmul(A, B), 3)
+            res["torch_matmul_fp32_gflops"] = rnd(2 * m ** 3 / min(t) / 1e9, 1)
+            res["torch_matmul_fp32_gflops_median"] = rnd(2 * m ** 3 / median(t) / 1e9, 1)
+            res["matmul_size"] = m
+            del A, B
+    res["cpu"] = w.result
+    return res
+
+
+# =============================================================================================
+# output
+# =============================================================================================
+def result_path(name: str, quick: bool, ext: str = "json") -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    return os.path.join(RESULTS_DIR, f"{name}{'_quick' if quick else ''}.{ext}")
+
+
+def header(name: str, quick: bool, argv: Sequence[str]) -> dict:
+    return {"benchmark": name, "mode": "quick" if quick else "full",
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": list(argv), "machine": machine_info()}
+
+
+def finish(doc: dict, name: str, quick: bool) -> dict:
+    """Write the JSON document to results/ and print it (the script's one stdout document)."""
+    doc["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    path = result_path(name, quick)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=_json_default)
+        f.write("\n")
+    log(f"wrote {os.path.relpath(path)}")
+    print(json.dumps(doc, default=_json_default), flush=True)
+    return doc
+
+
+def _json_default(o: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:
+        pass
+    return str(o)
+
+
+def target(value: Optional[float], goal: float, higher_is_better: bool = True) -> dict:
+    """A target check: {value, goal, met} (met None when the value is missing)."""
+    met = None if value is None else (value >= goal if higher_is_better else value <= goal)
+    return {"value": value, "goal": goal, "met": met}
+
+
+# =============================================================================================
+# plots
+# =============================================================================================
+def rel(path: str) -> str:
+    """A path as the README (at the repository root) links it."""
+    return os.path.relpath(path, REPO_ROOT)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str, Sequence[Optional[float]]],
+             ylabel: str, note: str = "") -> str:
+    """Grouped bars: one group per x label, one bar per series."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    k = max(1, len(series))
+    width = 0.8 / k
+    for i, (label, vals) in enumerate(series.items()):
+        xs = [g + (i - (k - 1) / 2) * width for g in range(len(groups))]
+        ys = [v if v is not None else 0.0 for v in vals]
+        bars = ax.bar(xs, ys, width, label=label)
+        for b, v in zip(bars, vals):
+            if v is not None:
+                ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, alpha=0.7)
+    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"wrote {os.path.relpath(path)}")
+    return path
+
+
+def line_plot(path: str, title: str, series: dict[str, tuple[Sequence[float], Sequence[Optional[float]]]],
+              xlabel: str, ylabel: str, logy: bool = False, note: str = "") -> str:
+    """One line per series; series maps label -> (xs, ys)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for label, (xs, ys) in series.items():
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, alpha=0.7)
+    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"wrote {os.path.relpath(path)}")
+    return path
+
+
+# =============================================================================================
+# engine helpers (in-process xlaserve engine)
+# =============================================================================================
+def compile_counts(engine) -> dict:
+    """The engine's own counter (programs compiled after warmup) and JAX's process-wide count."""
+    from jax_engine.compilation import global_compile_count
+
+    return {"engine_after_warmup": engine.compilations_after_warmup(), "jax_process_total": global_compile_count()}
+
+
+def build_engine(specs: list, progress: bool = False, **engine_kw):
+    """Construct, load and warm an Engine; returns (engine, seconds spent)."""
+    from jax_engine.config import EngineArgs
+    from jax_engine.engine import Engine
+
+    os.environ.setdefault("XLASERVE_PROGRESS", "1" if progress else "0")
+    t0 = time.perf_counter()
+    engine = Engine(EngineArgs(models=specs, **engine_kw))
+    engine.load_all(progress=progress)
+    return engine, time.perf_counter() - t0

@@ -1,0 +1,240 @@
+"""Where one decode step of the 'small' Llama goes (batch 1 by default), through the engine and below it.
+
+Layers timed (each the median and minimum of many calls, context ~ prompt + new/2 = 192):
+  engine_token_interval   a real streamed request: gap between tokens at the asyncio consumer
+  runner_decode           ModelRunner.decode(): host arrays -> device_put -> program -> fetch
+  runner_host_args        ModelRunner._decode_args() alone (numpy rows, sampling arrays, device_put)
+  decode_program          the compiled decode_greedy program alone (args prebuilt, state donated)
+  bare_forward            jit(llama.forward + lm_head + argmax) with the same inputs (no sampling)
+  weights_gemv_chain      only the layer matmuls + lm_head on one token (reads every weight once)
+  kv_gather               only the per-layer gather of K and V through the page table
+  sampling_tail           penalties + argmax + log-softmax/top-k + count update over the vocab
+plus the compiled decode program's own cost analysis (flops, bytes accessed), and the decode
+program at the smaller page bucket to show what the attention's page bucket costs.
+
+Run:  python -m benchmarks.profile_decode [--quick] [--iters N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common as C
+from benchmarks import generate_vs_hf as G
+
+NAME = "profile_decode"
+
+
+def bench(fn: Callable[[], Any], iters: int) -> dict:
+    fn()
+    fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return {"ms_p50": C.rnd(C.percentile(ts, 50) * 1e3, 3), "ms_min": C.rnd(min(ts) * 1e3, 3),
+            "ms_p90": C.rnd(C.percentile(ts, 90) * 1e3, 3)}
+
+
+def greedy_row() -> dict:
+    return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "rep_pen": 1.0, "freq_pen": 0.0,
+            "pres_pen": 0.0, "seeds": 0, "steps": 0, "bias": [], "ban": []}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, few iterations")
+    ap.add_argument("--iters", type=int, default=None, help="calls per measurement (default 50; quick 10)")
+    ap.add_argument("--context", type=int, default=None, help="tokens in the KV cache (default 192; quick 80)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | int8 (float32 + int8 weights)")
+    ap.add_argument("--batch", type=int, default=1, help="decode rows (default 1; at most 16, quick 4)")
+    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    quick = a.quick
+    iters = a.iters or (10 if quick else 50)
+    model = "tiny" if quick else "small"
+    ctx = a.context or (80 if quick else 192)
+    max_running, max_model_len = (4, 128) if quick else (16, 512)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_engine import sampling
+    from jax_engine.models import llama
+    from jax_engine.models.llama import StepInputs
+
+    doc = C.header(NAME, quick, sys.argv[1:] if argv is None else argv)
+    doc["quiet_wait"] = C.wait_for_quiet(0 if quick else 60)
+    total = C.CpuWindow().start()
+    path = G.ensure_model(model)
+    eng = G.EngineSide(path, "float32" if a.dtype == "int8" else a.dtype, "int8" if a.dtype == "int8" else "none",
+                       max_running, max_model_len)
+    runner = eng.runner()
+    cfg, ps = runner.cfg, runner.rc.page_size
+    wb = eng.weight_bytes()
+    res: dict[str, Any] = {}
+
+    # 1. a real request through the engine (asyncio consumer side)
+    vocab = cfg.vocab_size
+    new = 32 if quick else 128
+    B = a.batch
+    prompt = G.make_prompts(B, ctx - new // 2, vocab, 77)
+    r = eng.generate(prompt, new)
+    res["engine_token_interval"] = {"ms_p50": C.rnd(r["ms_per_step_p50"], 3), "decode_tok_s": C.rnd(r["decode_tok_s"], 1)}
+
+    # B decode rows at context `ctx`, row i on its own pages (the scheduler is idle: the runner is ours)
+    npg = (ctx + ps - 1) // ps
+    pos = ctx - 1
+
+    def make_row(i: int, length: int) -> dict:
+        pg = list(range(1 + i * npg, 1 + i * npg + (length + ps - 1) // ps))
+        p = length - 1
+        return {"token": 5, "position": p, "kv_slot": pg[p // ps] * ps + p % ps, "pages": pg,
+                "slot_id": i, "sampling": greedy_row()}
+
+    rows = [make_row(i, ctx) for i in range(B)]
+    res["runner_decode"] = bench(lambda: runner.decode(rows, True), iters)
+    res["runner_host_args"] = bench(lambda: runner._decode_args(rows, True), iters)
+
+    prog, key, args = runner._decode_args(rows, True)
+    exe = runner.programs.get(prog, key, args)
+
+    def run_program() -> None:
+        call = (args[0], runner.state, *args[2:])
+        out, runner.state = exe(*call)
+        jax.block_until_ready(out)
+
+    res["decode_program"] = bench(run_program, iters)
+    res["decode_program"]["key"] = {"batch_bucket": key[0], "page_bucket": key[1],
+                                    "kv_tokens_gathered": key[1] * ps}
+    try:
+        ca = exe.cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+        res["decode_program"]["cost_analysis"] = {k: float(v) for k, v in (ca or {}).items()
+                                                  if k in ("flops", "bytes accessed", "transcendentals")}
+    except Exception as e:  # cost analysis is best-effort on CPU
+        res["decode_program"]["cost_analysis"] = f"unavailable: {e!r}"
+
+    # the same program at the smallest page bucket that still holds a short context
+    small_pb = runner.page_buckets[0] if len(runner.page_buckets) == 1 else runner.page_buckets[-2]
+    short = min(ctx, small_pb * ps)
+    prog_s, key_s, args_s = runner._decode_args([make_row(i, short) for i in range(B)], True)
+    exe_s = runner.programs.get(prog_s, key_s, args_s)
+
+    def run_small() -> None:
+        out, runner.state = exe_s(*(args_s[0], runner.state, *args_s[2:]))
+        jax.block_until_ready(out)
+
+    res["decode_program_small_page_bucket"] = bench(run_small, iters)
+    res["decode_program_small_page_bucket"]["key"] = {"page_bucket": key_s[1], "context": short}
+
+    # 2. below the runner: hand-built programs on the same params / cache
+    params = runner.params
+    tokens, positions, slots, table, kv_lens = (jnp.asarray(x) for x in (
+        np.full(B, 5, np.int32), np.full(B, pos, np.int32), np.array([r["kv_slot"] for r in rows], np.int32),
+        np.stack([np.pad(np.array(r["pages"], np.int32), (0, key[1] - len(r["pages"]))) for r in rows]),
+        np.full(B, ctx, np.int32)))
+
+    def fwd(params, k, v, tokens, positions, slots, table, kv_lens):
+        h, k, v = llama.forward(params, cfg, k, v, StepInputs(tokens[:, None], positions[:, None], slots[:, None],
+                                                               table, kv_lens), ps)
+        return jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1), k, v
+
+    fwd_j = jax.jit(fwd, donate_argnums=(1, 2))
+
+    def run_fwd() -> None:
+        st = runner.state
+        tok, k, v = fwd_j(params, st["k"], st["v"], tokens, positions, slots, table, kv_lens)
+        runner.state = {**st, "k": k, "v": v}
+        tok.block_until_ready()
+
+    res["bare_forward"] = bench(run_fwd, iters)
+
+    G_, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+
+    def gemv_chain(params, x):
+        def layer(x, lp):
+            qkv = llama.linear(x, lp["qkv"], "bth,hkgd->btkgd")
+            x = x + llama.linear(qkv[..., :G_, :], lp["o"], "btkgd,kgdh->bth")
+            gu = llama.linear(x, lp["gate_up"], "bth,hci->btci")
+            return x + llama.linear(gu[..., 0, :] * gu[..., 1, :], lp["down"], "bti,ih->bth"), None
+        x, _ = jax.lax.scan(layer, x, params["layers"])
+        return llama.lm_head(params, cfg, x[:, 0])
+
+    x0 = jnp.ones((B, 1, cfg.hidden_size), runner.dtype) * 0.01
+    gemv_j = jax.jit(gemv_chain)
+    res["weights_gemv_chain"] = bench(lambda: gemv_j(params, x0).block_until_ready(), iters)
+    t = res["weights_gemv_chain"]["ms_min"] / 1e3
+    res["weights_gemv_chain"]["weight_gbps_at_min"] = C.rnd(wb["per_decode_step"] / t / 1e9, 2)
+
+    def kv_gather(k, v, table):
+        B, P = table.shape
+        idx = (table[:, :, None] * ps + jnp.arange(ps)[None, None]).reshape(B, P * ps)
+
+        def layer(acc, li):
+            return acc + k[li, idx].sum() + v[li, idx].sum(), None
+        acc, _ = jax.lax.scan(layer, jnp.float32(0), jnp.arange(cfg.num_layers))
+        return acc
+
+    kv_j = jax.jit(kv_gather)
+    res["kv_gather"] = bench(lambda: kv_j(runner.state["k"], runner.state["v"], table).block_until_ready(), iters)
+
+    sa = runner._sa([greedy_row()] * B, key[0])
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((key[0], vocab)).astype(np.float32))
+    slot_ids = jnp.asarray(np.arange(key[0], dtype=np.int32))
+
+    def tail(logits, counts, pm, slot_ids, sa):
+        lg = sampling.process_logits(logits, sa, counts[slot_ids], pm[slot_ids])
+        tok = sampling.greedy(lg)
+        out = sampling.logprobs_of(logits, tok, runner.rc.top_n)
+        return tok, out, counts.at[slot_ids, tok].add(1)
+
+    tail_j = jax.jit(tail, donate_argnums=(1,))
+
+    def run_tail() -> None:
+        st = runner.state
+        tok, _, counts = tail_j(logits, st["counts"], st["pm"], slot_ids, sa)
+        runner.state = {**st, "counts": counts}
+        tok.block_until_ready()
+
+    res["sampling_tail"] = bench(run_tail, iters)
+
+    limits = C.measure_limits(gib=0.5 if quick else 2.0, repeats=3 if quick else 5, matmul=False, jax_too=True)
+    bw = limits["torch_sum_gbps"]
+    kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * (2 if a.dtype == "bfloat16" else 4)
+    floor_ms = (wb["per_decode_step"] + kv_bytes) / (bw * 1e9) * 1e3
+    p = lambda k: res[k]["ms_p50"]  # noqa: E731
+    doc["setup"] = {"model": model, "dtype": a.dtype, "batch": B, "context": ctx, "iters": iters, "weight_bytes": wb,
+                    "engine_args": {"max_running_requests": max_running, "max_model_len": max_model_len,
+                                    "page_size": ps}}
+    doc["limits"] = limits
+    doc["timings"] = res
+    doc["breakdown_ms_p50"] = {
+        "bandwidth_floor ((weights + live KV) / torch read rate)": C.rnd(floor_ms, 3),
+        "weights_gemv_chain": p("weights_gemv_chain"),
+        "kv_gather": p("kv_gather"),
+        "sampling_tail": p("sampling_tail"),
+        "bare_forward": p("bare_forward"),
+        "decode_program": p("decode_program"),
+        "decode_program - bare_forward (sampling, logprobs, state)": C.rnd(p("decode_program") - p("bare_forward"), 3),
+        "runner_decode - decode_program (host args, device_put, fetch)": C.rnd(p("runner_decode") - p("decode_program"), 3),
+        "engine_token_interval - runner_decode (scheduler, events, asyncio)": C.rnd(
+            (res["engine_token_interval"]["ms_p50"] or 0) - p("runner_decode"), 3),
+        "engine_token_interval": res["engine_token_interval"]["ms_p50"],
+    }
+    doc["compilations_after_warmup"] = eng.engine.compilations_after_warmup()
+    doc["cpu"] = total.stop()
+    eng.close()
+    name = NAME + ("" if a.dtype == "float32" else f"_{a.dtype}") + ("" if B == 1 else f"_b{B}")
+    return C.finish(doc, name, quick)
+
+
+if __name__ == "__main__":
+    main()
