@@ -63,7 +63,7 @@ class GenerateWorker:
         self.spec, self.args = spec, args
         self._embed_groups: dict[str, list[str]] = {}
         hf = read_config(spec.path)
-        cfg = _load_config(spec.path, hf)
+        cfg = LlamaConfig.from_hf(hf)
         tp = spec.tp if spec.tp != 1 else args.tp
         replicas = spec.replicas if spec.replicas != 1 else args.replicas
         if cfg.num_heads % tp:
@@ -368,10 +368,6 @@ def load_tokenizer(path: str):
 def _finite(v: float, name: str, lo: float, hi: float) -> None:
     if not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
         raise InvalidRequest(f"{name}: must be a finite number in [{lo}, {hi}], got {v}")
-
-
-def _load_config(path: str, hf: dict) -> LlamaConfig:
-    return LlamaConfig.from_hf(hf)
 
 
 def _load_params(path: str, cfg: LlamaConfig, dtype, quant: str, mesh, progress) -> dict:

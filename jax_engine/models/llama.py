@@ -212,8 +212,9 @@ def forward(
 
 def lm_head(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
     """Logits in float32 for hidden states [..., H]."""
-    w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
     if cfg.tie_embeddings:
-        return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
-    return linear(h, w, "...h,hv->...v").astype(jnp.float32) if isinstance(w, dict) else \
-        jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("...h,vh->...v", h, params["embed"], preferred_element_type=jnp.float32)
+    w = params["lm_head"]
+    if isinstance(w, dict):     # int8: scale the float32 accumulator, no rounding to the activation dtype
+        return jnp.einsum("...h,hv->...v", h, w["q"].astype(h.dtype), preferred_element_type=jnp.float32) * w["s"]
+    return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)

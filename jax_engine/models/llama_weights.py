@@ -61,7 +61,7 @@ def quantize_int8(w: np.ndarray, contract_axes: tuple[int, ...]) -> tuple[np.nda
     return q, np.squeeze(s, axis=contract_axes)
 
 
-def _contract_axes(name: str, ndim_per_layer: int) -> tuple[int, ...]:
+def _contract_axes(name: str) -> tuple[int, ...]:
     """Contraction axes of one layer's (unstacked) weight."""
     return {"lm_head": (0,), "layers/qkv": (0,), "layers/o": (0, 1, 2),
             "layers/gate_up": (0,), "layers/down": (0,)}[name]
@@ -132,11 +132,6 @@ def _hf_top(reader: CheckpointReader, cfg: LlamaConfig) -> dict[str, np.ndarray]
     return out
 
 
-@jax.jit
-def _identity(x):
-    return x
-
-
 def _put_layer_fn():
     return jax.jit(lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0), donate_argnums=0)
 
@@ -157,7 +152,7 @@ class _Builder:
 
     def put_top(self, name: str, arr: np.ndarray) -> None:
         if self.quantize == "int8" and name in QUANTIZABLE:
-            q, s = quantize_int8(arr, _contract_axes(name, arr.ndim))
+            q, s = quantize_int8(arr, _contract_axes(name))
             self.params[name] = {"q": jax.device_put(q, sharding_for(name, self.mesh)),
                                  "s": jax.device_put(s, scale_sharding_for(name, self.mesh))}
         else:
@@ -168,7 +163,7 @@ class _Builder:
         L = self.cfg.num_layers
         store = self.params["layers"]
         if self.quantize == "int8" and key in QUANTIZABLE:
-            q, s = quantize_int8(arr, _contract_axes(key, arr.ndim))
+            q, s = quantize_int8(arr, _contract_axes(key))
             if name not in store:
                 store[name] = {
                     "q": jnp.zeros((L,) + q.shape, jnp.int8, device=sharding_for(key, self.mesh)),
