@@ -490,14 +490,11 @@ def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, 
     return out
 
 
-def _page_buckets(p_max: int, ratio: int = 4) -> list[int]:
-    out, b = [], p_max
-    while b >= 1:
-        out.append(b)
-        if b == 1:
-            break
-        b = max(1, b // ratio)
-    return sorted(set(out))
+def _page_buckets(p_max: int) -> list[int]:
+    """The engine's own page buckets, so the roofline counts the keys it really gathers."""
+    from jax_engine.runner import page_buckets
+
+    return page_buckets(p_max)
 
 
 def targets(rows: dict, batches: list[int]) -> dict:
