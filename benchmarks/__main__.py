@@ -162,13 +162,14 @@ def section(quick: bool) -> str:
             lines.append(f"- Server compilations after warmup (/metrics): {end}.")
         if "poisson" in s:
             lines += ["", "| protocol | offered req/s | completed req/s | output tok/s | TTFT p50 / p99 ms | "
-                          "ITL p50 / p99 ms | errors |", "|---|---|---|---|---|---|---|"]
+                          "ITL p50 / p99 ms | errors | others' CPU share |", "|---|---|---|---|---|---|---|---|"]
             for proto, label in (("grpc", "gRPC SGLang"), ("http", "HTTP OpenAI chat")):
                 for m in s["poisson"][proto]:
                     lines.append(f"| {label} | {m['offered_rate_rps']} | {_f(m.get('completed_rps'), '{:.2f}')} | "
                                  f"{_f(m.get('output_tok_s'))} | {_f(m['ttft_ms'].get('p50'), '{:.0f}')} / "
                                  f"{_f(m['ttft_ms'].get('p99'), '{:.0f}')} | {_f(m['itl_ms'].get('p50'))} / "
-                                 f"{_f(m['itl_ms'].get('p99'))} | {m['errors']} |")
+                                 f"{_f(m['itl_ms'].get('p99'))} | {m['errors']} | "
+                                 f"{(m.get('cpu') or {}).get('others_share_of_cores')} |")
         lines += ["", *[f"![{os.path.basename(x)}]({x})" for x in s.get("plots", [])], ""]
     if p:
         lines += [f"### Where one batch-1 decode step goes, '{p['setup']['model']}' model, context "

@@ -334,6 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         grpc_addr, http_url = server.grpc, server.http
         doc["server"] = {"external": False, "cmd": " ".join(server.cmd[1:]), "log": server.log.name}
     pids = [server.proc.pid] if server else []
+    total.pids = list(pids)       # the server was not running when the window opened: all its CPU counts
     try:
         if server:
             doc["server"]["ready_s"] = C.rnd(server.wait_ready(900), 1)
@@ -357,17 +358,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             workload = make_workload(n_req, a.seed, tok, prompt_range, out_range)
             doc["setup"]["prompt_tokens_mean"] = C.rnd(sum(len(w["ids"]) for w in workload) / len(workload), 1)
             doc["setup"]["output_tokens_mean"] = C.rnd(sum(w["max_new"] for w in workload) / len(workload), 1)
-            doc["poisson"] = phase_poisson(loop, clients, workload, rates, a.seed, pids)
+            doc["poisson"] = phase_poisson(loop, clients, workload, rates, a.seed, pids, quiet_s)
         doc["compiles_after_warmup_end"] = scrape_compiles(http_url)
         loop.run_until_complete(clients.close())
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
     finally:
+        doc["cpu"] = total.stop()     # before the server exits: its /proc entry goes with it
         if server:
             doc["server"]["exit_code"] = server.stop()
             doc["server"]["log_tail"] = server.tail(15)
     doc["targets"] = targets(doc)
-    doc["cpu"] = total.stop()
     doc["busy_processes_at_end"] = C.busy_processes()
     if not a.no_plot and "poisson" in doc:
         doc["plots"] = plots(doc, quick)
@@ -469,10 +470,12 @@ def phase_streams(loop, clients: Clients, gen_path: str, streams: int, prompt_le
 
 
 def phase_poisson(loop, clients: Clients, workload: list[dict], rates: list[float], seed: int,
-                  pids: list[int]) -> dict:
+                  pids: list[int], quiet_s: float = 0.0) -> dict:
     out: dict[str, list[dict]] = {"grpc": [], "http": []}
     for rate in rates:
         for protocol in ("grpc", "http"):
+            if quiet_s > 0:
+                C.wait_for_quiet(quiet_s, C.DISTURBED_OTHERS_SHARE)
             C.log(f"poisson {protocol} at {rate} req/s ...")
             with C.cpu_window(pids) as w:
                 recs = loop.run_until_complete(poisson_run(clients, protocol, workload, rate, seed))
