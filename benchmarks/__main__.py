@@ -172,10 +172,15 @@ def section(quick: bool) -> str:
                                  f"{(m.get('cpu') or {}).get('others_share_of_cores')} |")
         lines += ["", *[f"![{os.path.basename(x)}]({x})" for x in s.get("plots", [])], ""]
     if p:
-        lines += [f"### Where one batch-1 decode step goes, '{p['setup']['model']}' model, context "
-                  f"{p['setup']['context']} ({_cpu(p)})", "",
-                  "| layer | ms (p50) |", "|---|---|"]
-        lines += [f"| {k} | {_f(v, '{:.2f}')} |" for k, v in p["breakdown_ms_p50"].items()]
+        p16 = _load("profile_decode_b16", quick)
+        cols = [p] + ([p16] if p16 else [])
+        cpus = "; ".join("batch %s: %s" % (c["setup"].get("batch", 1), _cpu(c)) for c in cols)
+        lines += [f"### Where one decode step goes, '{p['setup']['model']}' model, float32, context "
+                  f"{p['setup']['context']} ({cpus})",
+                  "", "| layer | " + " | ".join("batch %s, ms (p50)" % c["setup"].get("batch", 1) for c in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for k in p["breakdown_ms_p50"]:
+            lines.append(f"| {k} | " + " | ".join(_f(c["breakdown_ms_p50"].get(k), "{:.2f}") for c in cols) + " |")
         lines.append("")
     if len(lines) <= 6:
         lines.append("_No benchmark results yet: run `xlaserve bench`._")

@@ -120,15 +120,6 @@ def ratio(a: Optional[float], b: Optional[float], digits: int = 3) -> Optional[f
     return round(a / b, digits)
 
 
-def alternate(names: Sequence[str], repeat: int) -> list[str]:
-    """Run order that alternates A and B and rotates who goes first: AB BA AB ... (ABC BCA CAB ...)."""
-    order = []
-    for r in range(repeat):
-        k = r % len(names)
-        order += list(names[k:]) + list(names[:k])
-    return order
-
-
 def run_pairs(sides: dict[str, Callable[[], dict]], repeats: int, retries: int = 0, label: str = "",
               first: int = 0, quiet_s: float = 0.0) -> dict[str, list[dict]]:
     """Run every side `repeats` times, alternating who goes first; each call returns a dict
@@ -175,14 +166,6 @@ def paired_summary(a: list[dict], b: list[dict], key: str, digits: int = 2) -> d
     # the figure to quote: clean rounds when there are any, else everything (flagged)
     out["best"] = out["ratio_clean"] if out["ratio_clean"] is not None else out["ratio"]
     return out
-
-
-@contextmanager
-def timed() -> Iterator[Callable[[], float]]:
-    t0 = time.perf_counter()
-    box: dict[str, float] = {}
-    yield lambda: box.get("dt", time.perf_counter() - t0)
-    box["dt"] = time.perf_counter() - t0
 
 
 # =============================================================================================

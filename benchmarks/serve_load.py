@@ -177,11 +177,13 @@ class Clients:
     async def http_chat(self, text: str, max_new: int) -> dict:
         """One OpenAI chat completion stream over HTTP (SSE).
 
-        Token arrivals are the chunks with content (the detokenizer may hold back a token
-        whose bytes do not form text yet, so a gap can span two tokens); the token count
-        comes from the final usage."""
+        The request asks for logprobs (no alternatives) so that every token produces a chunk:
+        with random weights many tokens are byte fragments that the detokenizer holds back,
+        and content-only chunks would make TTFT and ITL depend on what the model happened to
+        say. Each chunk's logprob entries count its tokens."""
         body = {"model": GEN_MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_new,
-                "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "logprobs": True, "top_logprobs": 0}
         rec: dict[str, Any] = {"t_send": time.perf_counter(), "events": [], "ids": [], "error": None,
                                "finish_reason": None, "completion_tokens": None}
         try:
@@ -200,8 +202,11 @@ class Clients:
                             rec["error"] = str(msg["error"])[:200]
                             continue
                         for ch in msg.get("choices") or []:
-                            if (ch.get("delta") or {}).get("content"):
-                                rec["events"].append((time.perf_counter(), 1))
+                            n = len(((ch.get("logprobs") or {}).get("content")) or [])
+                            if n == 0 and (ch.get("delta") or {}).get("content"):
+                                n = 1       # a server that ignores logprobs: count content chunks
+                            if n:
+                                rec["events"].append((time.perf_counter(), n))
                             if ch.get("finish_reason"):
                                 rec["finish_reason"] = ch["finish_reason"]
                         if msg.get("usage"):
