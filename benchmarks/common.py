@@ -484,13 +484,7 @@ def bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str, Seq
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    if note:
-        fig.text(0.01, 0.01, note, fontsize=7, alpha=0.7)
-    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    log(f"wrote {os.path.relpath(path)}")
-    return path
+    return _save_figure(plt, fig, path, note)
 
 
 def line_plot(path: str, title: str, series: dict[str, tuple[Sequence[float], Sequence[Optional[float]]]],
@@ -509,13 +503,7 @@ def line_plot(path: str, title: str, series: dict[str, tuple[Sequence[float], Se
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    if note:
-        fig.text(0.01, 0.01, note, fontsize=7, alpha=0.7)
-    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    log(f"wrote {os.path.relpath(path)}")
-    return path
+    return _save_figure(plt, fig, path, note)
 
 
 # =============================================================================================
@@ -538,3 +526,25 @@ def build_engine(specs: list, progress: bool = False, **engine_kw):
     engine = Engine(EngineArgs(models=specs, **engine_kw))
     engine.load_all(progress=progress)
     return engine, time.perf_counter() - t0
+
+
+def _save_figure(plt, fig, path: str, note: str) -> str:
+    """Footnote, layout, PNG, close: the common end of every plot."""
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, alpha=0.7)
+    fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"wrote {os.path.relpath(path)}")
+    return path
+
+
+def add_round_args(ap) -> None:
+    """The --quiet-wait / --no-plot options every benchmark script shares."""
+    ap.add_argument("--quiet-wait", type=float, default=None,
+                    help="seconds to wait before each round for other processes to go quiet (default 60; quick 0)")
+    ap.add_argument("--no-plot", action="store_true")
+
+
+def quiet_seconds(a) -> float:
+    return a.quiet_wait if a.quiet_wait is not None else (0.0 if a.quick else 60.0)

@@ -132,12 +132,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--retries", type=int, default=None,
                     help="extra rounds allowed when a round was disturbed by other processes (default 3; quick 0)")
     ap.add_argument("--batch-sizes", default="1,32,128")
-    ap.add_argument("--quiet-wait", type=float, default=None,
-                    help="seconds to wait before each round for other processes to go quiet (default 60; quick 0)")
-    ap.add_argument("--no-plot", action="store_true")
+    C.add_round_args(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     quick = a.quick
-    quiet_s = a.quiet_wait if a.quiet_wait is not None else (0.0 if quick else 60.0)
+    quiet_s = C.quiet_seconds(a)
     repeats = a.repeats or (2 if quick else 3)
     retries = a.retries if a.retries is not None else (0 if quick else 3)
     n_sent = a.sentences or (128 if quick else 2000)

@@ -312,12 +312,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--model-dir", default=None, help="where the random model is cached")
     ap.add_argument("--merge", action="store_true",
                     help="merge this run's rows into the previous results file (re-measure disturbed parts)")
-    ap.add_argument("--quiet-wait", type=float, default=None,
-                    help="seconds to wait before each round for other processes to go quiet (default 60; quick 0)")
-    ap.add_argument("--no-plot", action="store_true")
+    C.add_round_args(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     quick = a.quick
-    quiet_s = a.quiet_wait if a.quiet_wait is not None else (0.0 if quick else 60.0)
+    quiet_s = C.quiet_seconds(a)
     model_name = a.model or ("tiny" if quick else "small")
     repeats = a.repeats or (1 if quick else 3)
     retries = a.retries if a.retries is not None else (0 if quick else 2)

@@ -305,12 +305,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--retries", type=int, default=None, help="extra rounds when disturbed (default 2; quick 0)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--phases", default="embed,streams,poisson")
-    ap.add_argument("--quiet-wait", type=float, default=None,
-                    help="seconds to wait before each round for other processes to go quiet (default 60; quick 0)")
-    ap.add_argument("--no-plot", action="store_true")
+    C.add_round_args(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     quick = a.quick
-    quiet_s = a.quiet_wait if a.quiet_wait is not None else (0.0 if quick else 60.0)
+    quiet_s = C.quiet_seconds(a)
     model_name = a.model or ("tiny" if quick else "small")
     rates = [float(x) for x in (a.rates or ("1,4" if quick else "0.25,0.5,1,2")).split(",")]
     n_req = a.requests or (6 if quick else 20)
