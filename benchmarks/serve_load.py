@@ -60,15 +60,17 @@ def free_port() -> int:
 class Server:
     """`xlaserve serve` in a subprocess, stopped with SIGTERM (then SIGKILL) at the end."""
 
-    def __init__(self, gen_path: str, embed_path: str, max_running: int, max_model_len: int):
+    def __init__(self, gen_path: str, embed_path: Optional[str], max_running: int, max_model_len: int,
+                 max_batched_tokens: Optional[int] = None, extra_args: Sequence[str] = (), log_level: str = "warning"):
         self.grpc_port, self.http_port = free_port(), free_port()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="xlaserve-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "frontends.cli", "serve",
-               "--model", f"{GEN_MODEL}={gen_path}", "--model", f"{EMBED_MODEL}={embed_path}",
+        models = ["--model", f"{GEN_MODEL}={gen_path}"] + (["--model", f"{EMBED_MODEL}={embed_path}"] if embed_path else [])
+        cmd = [sys.executable, "-m", "frontends.cli", "serve", *models,
                "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
-               "--max-running-requests", str(max_running), "--max-num-batched-tokens", str(max_running * 128),
+               "--max-running-requests", str(max_running),
+               "--max-num-batched-tokens", str(max_batched_tokens or max_running * 128),
                "--max-model-len", str(max_model_len), "--page-size", "16", "--no-prefix-cache",
-               "--log-level", "warning"]
+               "--log-level", log_level, *extra_args]
         self.cmd = cmd
         env = dict(os.environ, XLASERVE_PROGRESS="0")
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -63,11 +63,20 @@ def _env_list(flag: str) -> Optional[list[str]]:
     return [v.strip() for v in raw.split(",") if v.strip()]
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"     # argparse names the type in its error message
+    return parse
+
+
+_positive = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+_at_least_two = _int_at_least(2)
 
 
 def _port(text: str) -> int:
@@ -128,6 +137,8 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     opt(m, "--max-model-len", type=_positive, default=None,
         help="context limit (default: the model's, capped to fit memory)")
     opt(m, "--page-size", type=_positive, default=d["page_size"], help="KV-cache page size in tokens")
+    opt(m, "--page-bucket-ratio", type=_at_least_two, default=d["page_bucket_ratio"],
+        help="compiled KV-length buckets step by this factor: smaller pads less, larger compiles fewer programs")
     opt(m, "--num-pages", type=_positive, default=None, help="KV-cache pages (default: from memory)")
     opt(m, "--max-running-requests", type=_positive, default=d["max_running_requests"],
         help="batch limit; defines the request buckets")
@@ -144,6 +155,9 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     opt(m, "--prefix-cache-ttl", type=_non_negative_float, default=0.0,
         help="seconds an unused cached prefix may live (0 = no TTL, LRU only)")
     opt(m, "--compile-cache-dir", default=None, help="JAX persistent compilation cache (default: user cache dir)")
+    opt(m, "--attention-backend", default=d["attention_backend"], choices=["auto", "reference", "pallas"],
+        help="decoder attention: auto (Pallas kernels on GPU / TPU, pure JAX on CPU), reference (pure JAX), "
+             "pallas (the platform's Pallas kernel; refused on CPU)")
 
     lim = p.add_argument_group("request limits")
     opt(lim, "--max-prompt-tokens", type=_positive, default=None, help="prompt token limit (default: the context)")
@@ -181,6 +195,13 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
                           f"[env {_env_name('--enable-admin')}]")
     opt(sec, "--model-root", default=None, help="model paths given over the network must lie under this folder")
 
+    mh = p.add_argument_group("more than one host (one TP mesh over every process's devices; jax.distributed)")
+    opt(mh, "--coordinator-address", default=None, metavar="HOST:PORT",
+        help="process 0's address for JAX's coordination service; the same on every process")
+    opt(mh, "--num-processes", type=_positive, default=1,
+        help="processes in the slice; process 0 serves the fronts, the others follow its steps")
+    opt(mh, "--process-id", type=_non_negative_int, default=0, help="this process's index in [0, --num-processes)")
+
     run = p.add_argument_group("process")
     opt(run, "--drain-timeout", type=_non_negative_float, default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM / SIGINT")
@@ -200,6 +221,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--tls-client-ca needs --tls-cert and --tls-key")
     if ns.admin_api_key and not ns.enable_admin:
         log.warning("--admin-api-key has no effect without --enable-admin")
+    if ns.num_processes > 1 and not ns.coordinator_address:
+        p.error("--num-processes > 1 needs --coordinator-address HOST:PORT")
+    if ns.process_id >= ns.num_processes:
+        p.error(f"--process-id must be below --num-processes ({ns.num_processes})")
     try:
         ns.model_specs = _model_specs(ns)
     except ValueError as e:
@@ -247,10 +272,11 @@ def engine_args(ns: argparse.Namespace):
 
     return EngineArgs(
         models=ns.model_specs, dtype=ns.dtype, quantize=ns.quantize, tp=ns.tp, replicas=ns.replicas,
-        max_model_len=ns.max_model_len, page_size=ns.page_size, num_pages=ns.num_pages,
+        max_model_len=ns.max_model_len, page_size=ns.page_size, page_bucket_ratio=ns.page_bucket_ratio, num_pages=ns.num_pages,
         max_running_requests=ns.max_running_requests, max_num_batched_tokens=ns.max_num_batched_tokens,
         max_waiting_requests=ns.max_waiting_requests, enable_prefix_cache=ns.enable_prefix_cache,
-        compile_cache_dir=ns.compile_cache_dir, max_prompt_tokens=ns.max_prompt_tokens,
+        compile_cache_dir=ns.compile_cache_dir, attention_backend=ns.attention_backend,
+        max_prompt_tokens=ns.max_prompt_tokens,
         max_new_tokens_limit=ns.max_new_tokens_limit, max_n=ns.max_n, max_top_logprobs=ns.max_top_logprobs,
         max_stop_strings=ns.max_stop_strings, max_stop_string_len=ns.max_stop_string_len,
         max_embed_inputs=ns.max_embed_inputs, embed_max_batch_tokens=ns.embed_max_batch_tokens,
@@ -487,6 +513,17 @@ def _serve_main(argv: Sequence[str]) -> int:
     ns = parse_serve_args(argv)
     _configure_logging(ns.log_level)
     log.info("xlaserve %s", _version())
+    if ns.num_processes > 1:
+        from jax_engine import multihost
+
+        dist = multihost.DistributedArgs(ns.coordinator_address, ns.num_processes, ns.process_id)
+        multihost.initialize(dist)
+        if ns.process_id != 0:
+            return multihost.run_follower(engine_args(ns))
+        try:
+            return asyncio.run(serve(ns))
+        finally:
+            multihost.finalize()
     return asyncio.run(serve(ns))
 
 

@@ -20,6 +20,7 @@ _BY_KIND: dict[str, tuple[grpc.StatusCode, int]] = {
     "already_exists": (grpc.StatusCode.ALREADY_EXISTS, 409),
     "overloaded": (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     "unavailable": (grpc.StatusCode.UNAVAILABLE, 503),
+    "unimplemented": (grpc.StatusCode.UNIMPLEMENTED, 501),
     "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401),
     "permission_denied": (grpc.StatusCode.PERMISSION_DENIED, 403),
     "internal": (grpc.StatusCode.INTERNAL, 500),
@@ -55,6 +56,7 @@ AS_STATUS_BY_KIND: dict[str, int] = {
     "already_exists": 8,       # ALLSPARK_INVALID_CALL_ERROR
     "overloaded": 7,           # ALLSPARK_EXCEED_LIMIT_ERROR
     "unavailable": 12,         # ALLSPARK_REQUEST_DENIED (model stopped / draining)
+    "unimplemented": 8,        # ALLSPARK_INVALID_CALL_ERROR
     "permission_denied": 8,    # ALLSPARK_INVALID_CALL_ERROR
     "unauthenticated": 8,
     "internal": 5,             # ALLSPARK_RUNTIME_ERROR
@@ -65,7 +67,7 @@ def engine_error(kind: Optional[str], message: str) -> EngineError:
     """Rebuild a typed error from a stream event's `error_kind` (unknown kinds -> Internal)."""
     for cls in (engine_errors.InvalidRequest, engine_errors.NotFound, engine_errors.AlreadyExists,
                 engine_errors.Overloaded, engine_errors.Unavailable, engine_errors.PermissionDenied,
-                engine_errors.Unauthenticated):
+                engine_errors.Unauthenticated, engine_errors.Unimplemented):
         if cls.kind == kind:
             return cls(message)
     return engine_errors.Internal(message)

@@ -35,12 +35,14 @@ class EngineArgs:
     replicas: int = 1
     max_model_len: Optional[int] = None
     page_size: int = 16
+    page_bucket_ratio: int = 2            # KV page-count buckets step by this factor (2 or more)
     num_pages: Optional[int] = None      # None = from memory
     max_running_requests: int = 16
     max_num_batched_tokens: int = 512
     max_waiting_requests: int = 256
     enable_prefix_cache: bool = True
     compile_cache_dir: Optional[str] = None
+    attention_backend: str = "auto"           # auto | reference | pallas (jax_engine/attention/__init__.py)
     # limits enforced at admission (interface.md / reliability_security.md)
     max_prompt_tokens: Optional[int] = None   # None = the model's context
     max_new_tokens_limit: int = 4096

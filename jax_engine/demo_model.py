@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -118,17 +120,30 @@ def write_random_llama(path: str, config: dict, seed: int = 0) -> None:
 
 def build_demo_generator(path: str, seed: int = 0, config: Optional[dict] = None) -> str:
     """Create (once) the demo generator folder: random weights + real tokenizer + chat template."""
-    marker = os.path.join(path, "xlaserve_demo.json")
-    if os.path.isfile(marker):
+    if os.path.isfile(os.path.join(path, "xlaserve_demo.json")):
         return path
-    os.makedirs(path, exist_ok=True)
-    ids = write_tokenizer(path, vocab_size=(config or DEMO_LLAMA)["vocab_size"])
-    cfg = config or llama_config(bos_token_id=ids["<|bos|>"], eos_token_id=ids["<|eos|>"],
-                                 pad_token_id=ids["<|pad|>"])
-    write_random_llama(path, cfg, seed=seed)
-    with open(marker, "w") as f:
-        json.dump({"random_weights": True, "seed": seed,
-                   "note": "xlaserve demo generator: RANDOM weights, output is meaningless"}, f)
+    # Built beside the target and renamed into place, so processes starting together on one
+    # host (several servers, or a multi-process slice) never see a half-written folder.
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".demo-build-", dir=parent)
+    try:
+        ids = write_tokenizer(tmp, vocab_size=(config or DEMO_LLAMA)["vocab_size"])
+        cfg = config or llama_config(bos_token_id=ids["<|bos|>"], eos_token_id=ids["<|eos|>"],
+                                     pad_token_id=ids["<|pad|>"])
+        write_random_llama(tmp, cfg, seed=seed)
+        with open(os.path.join(tmp, "xlaserve_demo.json"), "w") as f:
+            json.dump({"random_weights": True, "seed": seed,
+                       "note": "xlaserve demo generator: RANDOM weights, output is meaningless"}, f)
+        if os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)      # an empty folder (e.g. a mounted volume's mount point's child)
+        os.rename(tmp, path)
+    except OSError:
+        if not os.path.isfile(os.path.join(path, "xlaserve_demo.json")):
+            raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -3,9 +3,11 @@
 Flow: `submit` validates and tokenizes on the caller's thread, so every input error is raised
 synchronously, then queues the request. The worker thread takes queued inputs in priority order
 under a token budget (TEI's batcher), sorts them by length and cuts them into groups that each
-fit one static (batch, seq_len) bucket, so short inputs are not padded to a long neighbour. Every
-bucket program is compiled at `warmup`; a request whose inputs are all done gets its `done`
-callback, on the worker thread.
+fit one static (batch, seq_len) bucket (`plan_groups`: the cuts of least modelled cost, so short
+inputs are not padded to a long neighbour and no program is mostly padding rows), runs the
+groups and scatters their rows back to each request's input order. Every bucket program is
+compiled at `warmup`; a request whose inputs are all done gets its `done` callback, on the
+worker thread.
 
 Callback contract: `done(EmbedOutput)` on success, `done(EngineError)` on failure, and
 `done(None)` when the request was aborted (there is no abort error kind; the caller that
@@ -13,6 +15,7 @@ aborted already knows why).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -21,7 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -37,6 +40,13 @@ log = logging.getLogger(__name__)
 
 DoneCallback = Callable[[Optional[Union[EmbedOutput, EngineError]]], None]
 MIN_SEQ_BUCKET = 16
+# Fixed cost of one program launch in the planner's cost model, in padded-token units
+# (measured on XLA:CPU with MiniLM: a batch-1 program costs about this many tokens more than
+# its share of a large batch).
+DISPATCH_COST_TOKENS = 24
+# On CPU the largest program XLA runs well is far below the default token budget: past this
+# many tokens the activations leave the caches and tokens/s drops (see _program_token_cap).
+CPU_PROGRAM_TOKENS = 2048
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,25 +54,36 @@ MIN_SEQ_BUCKET = 16
 
 
 class EncoderBuckets:
-    """Static (batch, seq_len) shapes: seq_len powers of two from 16 up to the model's max
-    (the max itself closes the list), batch powers of two with batch * seq_len <= token budget."""
+    """Static (batch, seq_len) shapes and the cost model the planner uses to fill them.
 
-    def __init__(self, max_len: int, max_batch_tokens: int):
+    seq_len: 16, 32, then steps of 1.5x / 2x alternately (16, 32, 48, 64, 96, 128, 192, 256,
+    384, 512, ...), the model's max closing the list, so a bucket wastes at most a third of its
+    width on padding instead of half. batch: powers of two with batch * seq_len <= the program
+    token cap (`max_program_tokens`, by default the whole token budget), and at least 1.
+    """
+
+    def __init__(self, max_len: int, max_batch_tokens: int, max_program_tokens: Optional[int] = None,
+                 attn_tokens: Optional[int] = None, dispatch_tokens: int = 0):
         if max_batch_tokens < max_len:
             raise InvalidRequest(  # TEI #723: a budget below one input would never schedule it
                 f"embed_max_batch_tokens ({max_batch_tokens}) must be >= max_model_len ({max_len})")
         self.max_batch_tokens = max_batch_tokens
+        self.max_program_tokens = min(max_program_tokens or max_batch_tokens, max_batch_tokens)
+        self.attn_tokens = attn_tokens
+        self.dispatch_tokens = dispatch_tokens
         seq, s = [], MIN_SEQ_BUCKET
         while s < max_len:
             seq.append(s)
-            s *= 2
+            pow2 = s & (s - 1) == 0
+            s = s * 3 // 2 if pow2 and s >= 2 * MIN_SEQ_BUCKET else (2 * s if pow2 else 1 << s.bit_length())
         self.seq_lens = seq + [max_len]
 
     def seq_bucket(self, n: int) -> int:
         return next(s for s in self.seq_lens if s >= n)
 
     def max_batch(self, seq_len: int) -> int:
-        return 1 << int(math.log2(self.max_batch_tokens // seq_len))
+        # batch 1 always: one input of the longest length must still run (the budget holds it)
+        return 1 << int(math.log2(max(1, self.max_program_tokens // seq_len)))
 
     @staticmethod
     def batch_bucket(n: int) -> int:
@@ -77,6 +98,62 @@ class EncoderBuckets:
                 out.append((b, s))
                 b *= 2
         return out
+
+    def cost(self, batch: int, seq_len: int) -> float:
+        """Modelled time of one (batch, seq_len) program, in token-layer units: every padded
+        token costs as much as a real one, attention grows with seq_len (its share of a token's
+        work is seq_len / attn_tokens), and each dispatch has a fixed cost."""
+        per_token = 1.0 + (seq_len / self.attn_tokens if self.attn_tokens else 0.0)
+        return batch * seq_len * per_token + self.dispatch_tokens
+
+    def padded_tokens(self, groups: list[tuple[int, int, list[int]]]) -> int:
+        return sum(b * s for b, s, _ in groups)
+
+
+def plan_groups(lengths: Sequence[int], buckets: EncoderBuckets) -> list[tuple[int, int, list[int]]]:
+    """Cut inputs into bucket programs of least total modelled cost: [(batch, seq_len, indices)].
+
+    Inputs are sorted by length (a group is a run of neighbours in that order) and an exact
+    dynamic program over the sorted list picks the cuts. Only maximal runs need trying: a group
+    in bucket (b, s) starting at input i takes min(b, inputs up to length s) inputs, since
+    taking fewer leaves longer inputs to later groups for the same bucket cost. `indices` keep
+    each group's positions in `lengths`, shortest first; every group fits a key of `buckets`.
+    """
+    n = len(lengths)
+    if n == 0:
+        return []
+    order = sorted(range(n), key=lengths.__getitem__)
+    sl = [lengths[k] for k in order]
+    if sl[-1] > buckets.seq_lens[-1]:
+        raise InvalidRequest(f"an input of {sl[-1]} tokens exceeds the longest bucket {buckets.seq_lens[-1]}")
+    ends = {s: bisect.bisect_right(sl, s) for s in buckets.seq_lens}  # inputs of length <= s
+    best = [0.0] * (n + 1)
+    step: list[tuple[int, int, int]] = [(0, 0, 0)] * n          # (end, batch, seq_len) per start
+    for i in range(n - 1, -1, -1):
+        top, choice = math.inf, (0, 0, 0)
+        for s in buckets.seq_lens:
+            end = ends[s]
+            if end <= i:
+                continue                                       # input i is longer than s
+            b = 1
+            while b <= buckets.max_batch(s):
+                j = min(i + b, end)
+                bb = buckets.batch_bucket(j - i)
+                c = buckets.cost(bb, s) + best[j]
+                if c < top:
+                    top, choice = c, (j, bb, s)
+                if j == end:
+                    break                                      # a bigger batch adds only padding
+                b *= 2
+            if end == n:
+                break                                          # wider buckets only add padding
+        best[i], step[i] = top, choice
+    groups, i = [], 0
+    while i < n:
+        j, bb, s = step[i]
+        groups.append((bb, s, order[i:j]))
+        i = j
+    return groups
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,9 +181,10 @@ class _Job:
 
 @dataclass
 class _Group:
-    """Inputs that run as one bucket program."""
+    """Inputs that run as one (batch, seq_len) bucket program."""
 
     items: list[tuple[_Job, int]] = field(default_factory=list)
+    batch: int = 0
     seq_len: int = 0
 
 
@@ -126,7 +204,10 @@ class EmbedWorker:
         # vLLM honour it too, so it wins over the engine-wide --max-model-len
         cap = spec.max_model_len or _st_max_seq_length(spec.path) or args.max_model_len
         self.max_len = min(self.cfg.max_len, cap) if cap else self.cfg.max_len
-        self.buckets = EncoderBuckets(self.max_len, args.embed_max_batch_tokens)
+        self.buckets = EncoderBuckets(
+            self.max_len, args.embed_max_batch_tokens, max_program_tokens=_program_token_cap(),
+            attn_tokens=2 * self.cfg.hidden_size + self.cfg.intermediate_size,
+            dispatch_tokens=DISPATCH_COST_TOKENS)
         self.programs = ProgramCache(f"embed:{spec.name}")
         self.programs.register("forward", jax.jit(self._forward))
         self.info = self._build_info(dtype)
@@ -140,6 +221,8 @@ class EmbedWorker:
         self._stopped = False
         self._total_tokens = 0
         self._busy_s = 0.0
+        self.padded_tokens = 0      # batch * seq_len summed over the programs run (real + padding)
+        self.programs_run = 0
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -370,8 +453,8 @@ class EmbedWorker:
                     self._cv.wait()
                 if self._stopping:
                     return
-                groups = self._plan(self._take_inputs())
-            self._run(groups)
+                taken = self._take_inputs()
+            self._run(taken)
 
     def _take_inputs(self) -> list[tuple[_Job, int]]:
         """Inputs from the head of the queue up to the token budget (at least one). Holds the lock."""
@@ -390,34 +473,26 @@ class EmbedWorker:
         return taken
 
     def _plan(self, taken: list[tuple[_Job, int]]) -> list[_Group]:
-        """Sort by length and cut into groups that each fit one (batch, seq_len) bucket."""
-        taken.sort(key=lambda it: it[0].ids[it[1]].size)
-        groups: list[_Group] = []
-        cur = _Group()
-        for job, i in taken:
-            s = self.buckets.seq_bucket(job.ids[i].size)
-            if cur.items and len(cur.items) + 1 > self.buckets.max_batch(s):
-                groups.append(cur)
-                cur = _Group()
-            cur.items.append((job, i))
-            cur.seq_len = s
-        if cur.items:
-            groups.append(cur)
-        return groups
+        """Length-sorted groups, one bucket program each, of least modelled cost (`plan_groups`)."""
+        plan = plan_groups([job.ids[i].size for job, i in taken], self.buckets)
+        return [_Group([taken[k] for k in idx], b, s) for b, s, idx in plan]
 
-    def _run(self, groups: list[_Group]) -> None:
+    def _run(self, taken: list[tuple[_Job, int]]) -> None:
         t0 = time.perf_counter()
         try:
+            groups = self._plan(taken)
             # Dispatch every group before reading any result: host padding overlaps device work.
             pending = [(g, self._launch(g)) for g in groups]
             outputs = [(g, np.asarray(out)) for g, out in pending]
         except Exception as e:  # a device failure fails these requests, not the worker
             log.exception("encoder step failed for %s", self.spec.name)
-            self._fail({job for g in groups for job, _ in g.items}, Internal(f"encoder step failed: {e}"))
+            self._fail({job for job, _ in taken}, Internal(f"encoder step failed: {e}"))
             return
         finished: list[_Job] = []
         with self._cv:
             self._busy_s += time.perf_counter() - t0
+            self.padded_tokens += sum(g.batch * g.seq_len for g in groups)
+            self.programs_run += len(groups)
             for g, out in outputs:
                 for row, (job, i) in enumerate(g.items):
                     if job.finished:
@@ -433,7 +508,7 @@ class EmbedWorker:
             _call(job.done, self._output(job))
 
     def _launch(self, g: _Group) -> jax.Array:
-        b = self.buckets.batch_bucket(len(g.items))
+        b = g.batch
         ids = np.full((b, g.seq_len), self.cfg.pad_token_id, np.int32)
         types = np.zeros((b, g.seq_len), np.int32)
         mask = np.zeros((b, g.seq_len), np.int32)
@@ -488,6 +563,12 @@ def _int_array(seq: object, name: str) -> np.ndarray:
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidRequest(f"{name} must be a list of integers")
     return arr.astype(np.int64)
+
+
+def _program_token_cap() -> Optional[int]:
+    """Largest batch * seq_len of one program: CPU_PROGRAM_TOKENS on CPU; on accelerators the
+    whole token budget (None), where bigger programs only fill the device better."""
+    return CPU_PROGRAM_TOKENS if jax.default_backend() == "cpu" else None
 
 
 def _resolve_dtype(spec_dtype: str, engine_dtype: str, path: str) -> str:

@@ -20,6 +20,7 @@ from jax_engine.errors import (
     NotFound,
     PermissionDenied,
     Unavailable,
+    Unimplemented,
 )
 from jax_engine.types import (
     EmbedOutput,
@@ -122,6 +123,11 @@ class Engine:
         if self.args.model_root is None:
             raise PermissionDenied("loading models over the network needs --model-root")
         _check_under_root(spec.path, self.args.model_root)
+        from jax_engine import multihost
+
+        if multihost.active():
+            raise Unimplemented("loading models at run time is not supported with more than one process: "
+                              "the other processes load their models at start-up (restart the slice with --model)")
         return await asyncio.to_thread(self.load_model_sync, spec, False)
 
     async def start_model(self, name: str) -> None:

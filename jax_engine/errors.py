@@ -42,6 +42,12 @@ class Unavailable(EngineError):
     kind = "unavailable"
 
 
+class Unimplemented(EngineError):
+    """A valid request this deployment cannot carry out (e.g. run-time loading on a multi-host slice)."""
+
+    kind = "unimplemented"
+
+
 class Internal(EngineError):
     kind = "internal"
 

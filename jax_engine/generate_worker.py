@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jax_engine import attention, backend, multihost
 from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.demo_model import is_demo_model
 from jax_engine.detokenizer import IncrementalDetokenizer
@@ -36,18 +37,17 @@ log = logging.getLogger("xlaserve.generate")
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
-    if name in ("auto", "", None):
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if name in ("float32", "fp32"):
-        return jnp.float32
-    if name in ("bfloat16", "bf16"):
-        return jnp.bfloat16
-    raise InvalidRequest(f"dtype {name!r} is not supported (float32, bfloat16)")
+    """Weights, activations and KV cache dtype; `auto` follows the platform (jax_engine/backend.py)."""
+    return backend.resolve_dtype(name)
 
 
 def make_meshes(tp: int, replicas: int) -> list[Optional[Mesh]]:
     """One ('data', 'model') mesh row per replica; None = single device, no sharding."""
     devs = jax.devices()
+    if jax.process_count() > 1 and (replicas != 1 or tp != len(devs)):
+        raise InvalidRequest(f"with {jax.process_count()} processes a decoder runs as one TP mesh over all "
+                             f"{len(devs)} devices: use --tp {len(devs)} --replicas 1 (got tp {tp}, replicas {replicas}); "
+                             "for more replicas run more servers behind a router")
     if tp * replicas > len(devs):
         raise InvalidRequest(f"tp {tp} x replicas {replicas} needs {tp * replicas} devices, have {len(devs)}")
     if tp == 1 and replicas == 1:
@@ -85,12 +85,15 @@ class GenerateWorker:
         self.max_model_len = min(spec.max_model_len or args.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         self.page_size = spec.page_size or args.page_size
+        self.cfg = dataclasses.replace(self.cfg, attention_backend=attention.resolve(
+            args.attention_backend, self.cfg, self.page_size, self.dtype, tp))   # jax_engine/attention
         max_running = spec.max_running_requests or args.max_running_requests
         max_tokens = spec.max_num_batched_tokens or args.max_num_batched_tokens
         self.tokenizer = load_tokenizer(spec.path)
         self.eos_ids = set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.meshes = make_meshes(tp, replicas)
         self.replicas: list[Scheduler] = []
+        self.local_runners: dict[str, ModelRunner] = {}   # by "<model>/<replica>" (multi-host followers)
         for r, mesh in enumerate(self.meshes):
             bar = tqdm(total=self.cfg.num_layers, desc=f"loading {spec.name} (replica {r})", unit="layer",
                        disable=not os.environ.get("XLASERVE_PROGRESS", "1") == "1")
@@ -98,9 +101,14 @@ class GenerateWorker:
             bar.close()
             rc = RunnerConfig(page_size=self.page_size, num_pages=0, max_running=max_running,
                               max_batched_tokens=max_tokens, max_model_len=self.max_model_len,
-                              max_n=args.max_n, top_n=max(1, args.max_top_logprobs))
+                              max_n=args.max_n, top_n=max(1, args.max_top_logprobs),
+                              page_bucket_ratio=max(2, args.page_bucket_ratio))
             rc.num_pages = spec.num_pages or args.num_pages or self._auto_pages(rc)
             runner = ModelRunner(self.cfg, params, rc, mesh, self.dtype)
+            if multihost.active():
+                self.local_runners[f"{spec.name}/{r}"] = runner
+                if jax.process_index() == 0:
+                    runner = multihost.LeaderRunner(runner, f"{spec.name}/{r}", multihost.channel())
             pool = PagePool(rc.num_pages, self.page_size,
                             enable_prefix_cache=spec.enable_prefix_cache if spec.enable_prefix_cache is not None
                             else args.enable_prefix_cache, ttl_s=spec.prefix_cache_ttl_s)
@@ -124,7 +132,7 @@ class GenerateWorker:
         per_page = 2 * c.num_layers * rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * jnp.dtype(self.dtype).itemsize
         budget = 4 << 30
         try:
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = jax.local_devices()[0].memory_stats() or {}
             if "bytes_limit" in stats:
                 budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * 0.8)
         except Exception:

@@ -6,17 +6,13 @@ difference is summation order (XLA vs MKL), ~1e-6 relative on logits of magnitud
 from __future__ import annotations
 
 import asyncio
-import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.engine import Engine
-from jax_engine.models import llama
-from jax_engine.models.llama import StepInputs
+from jax_engine.parity import prompt_logits
 from jax_engine.types import GenerateRequest, SamplingParams
 from tests import hf_models
 
@@ -32,23 +28,7 @@ def small_args(**kw) -> EngineArgs:
 
 def engine_logits(worker, prompt: list[int]) -> np.ndarray:
     """Logits of every prompt position through the paged-cache forward (fresh pages 1..P)."""
-    r = worker.replicas[0].runner
-    cfg, ps = r.cfg, r.rc.page_size
-    T = len(prompt)
-    P = math.ceil(T / ps)
-    pages = np.arange(1, P + 1, dtype=np.int32)
-    pos = np.arange(T, dtype=np.int32)
-    slots = pages[pos // ps] * ps + pos % ps
-
-    @jax.jit
-    def f(params, k, v, tokens, positions, slots, table, kv_lens):
-        h, _, _ = llama.forward(params, cfg, k, v, StepInputs(tokens, positions, slots, table, kv_lens), ps)
-        return llama.lm_head(params, cfg, h[0])
-
-    k = jnp.zeros_like(r.state["k"])
-    v = jnp.zeros_like(r.state["v"])
-    return np.asarray(f(r.params, k, v, jnp.array([prompt], jnp.int32), pos[None], slots[None], pages[None],
-                        jnp.array([T], jnp.int32)))
+    return prompt_logits(worker.replicas[0].runner, prompt)
 
 
 async def greedy_all(engine: Engine, prompts: list[list[int]], n: int, model: str = None) -> list[list[int]]:

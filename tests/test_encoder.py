@@ -20,7 +20,7 @@ import pytest
 
 from jax_engine.compilation import global_compile_count
 from jax_engine.config import EngineArgs, ModelSpec
-from jax_engine.embed_worker import EmbedWorker, EncoderBuckets
+from jax_engine.embed_worker import EmbedWorker, EncoderBuckets, plan_groups
 from jax_engine.errors import AlreadyExists, EngineError, InvalidRequest, NotFound, Overloaded, Unavailable
 from jax_engine.models import bert
 from jax_engine.types import EmbedOutput, EmbedRequest
@@ -172,7 +172,7 @@ def sentences() -> list[str]:
 def minilm_worker(minilm_path):
     # max_model_len 256 = the model's sentence-transformers max_seq_length, so truncation agrees
     spec = ModelSpec(name="minilm", path=minilm_path, max_model_len=256)
-    w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256))  # 15 programs
+    w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256))  # 21 programs
     w.warmup(progress=False)
     w.start()
     yield w
@@ -348,12 +348,102 @@ def test_random_mix_compiles_nothing_after_warmup(minilm_worker, sentences, st_r
 
 def test_buckets_cover_budget():
     b = EncoderBuckets(max_len=300, max_batch_tokens=1024)
-    assert b.seq_lens == [16, 32, 64, 128, 256, 300]
-    assert b.seq_bucket(17) == 32 and b.seq_bucket(299) == 300
+    assert b.seq_lens == [16, 32, 48, 64, 96, 128, 192, 256, 300]
+    assert b.seq_bucket(17) == 32 and b.seq_bucket(33) == 48 and b.seq_bucket(299) == 300
     assert all(bs * s <= 1024 for bs, s in b.keys())
     assert (64, 16) in b.keys() and (2, 300) in b.keys() and (4, 300) not in b.keys()
+    capped = EncoderBuckets(max_len=300, max_batch_tokens=1024, max_program_tokens=256)
+    assert all(bs * s <= 256 or bs == 1 for bs, s in capped.keys()) and (16, 16) in capped.keys()
+    assert (1, 300) in capped.keys() and (32, 16) not in capped.keys()  # the longest input still fits
     with pytest.raises(InvalidRequest, match="embed_max_batch_tokens"):
         EncoderBuckets(max_len=512, max_batch_tokens=256)
+
+
+def _one_bucket_padded(lengths: list[int], b: EncoderBuckets) -> int:
+    """Padded tokens when a step's inputs run as one bucket: every row padded to the longest."""
+    return b.batch_bucket(len(lengths)) * b.seq_bucket(max(lengths))
+
+
+def _check_plan(lengths: list[int], b: EncoderBuckets, plan) -> None:
+    keys = set(b.keys())
+    assert sorted(k for _, _, idx in plan for k in idx) == list(range(len(lengths)))
+    for bs, s, idx in plan:
+        assert (bs, s) in keys and len(idx) <= bs and b.batch_bucket(len(idx)) == bs
+        assert max(lengths[k] for k in idx) <= s
+
+
+def _brute_force_cost(sl: list[int], b: EncoderBuckets) -> float:
+    """Least cost over every split of the sorted lengths into contiguous groups."""
+    from functools import lru_cache
+
+    @lru_cache(None)
+    def best(i: int) -> float:
+        if i == len(sl):
+            return 0.0
+        out = float("inf")
+        for j in range(i + 1, len(sl) + 1):
+            for s in b.seq_lens:
+                if s >= sl[j - 1] and j - i <= b.max_batch(s):
+                    out = min(out, b.cost(b.batch_bucket(j - i), s) + best(j))
+        return out
+
+    return best(0)
+
+
+def test_plan_groups_is_exact_and_beats_one_bucket():
+    b = EncoderBuckets(max_len=256, max_batch_tokens=8192, max_program_tokens=2048,
+                       attn_tokens=2304, dispatch_tokens=16)
+    rng = random.Random(11)
+    for n in (1, 2, 5, 9, 14):
+        for _ in range(6):
+            lengths = [rng.choice([rng.randint(3, 20), rng.randint(20, 70), rng.randint(70, 256)])
+                       for _ in range(n)]
+            plan = plan_groups(lengths, b)
+            _check_plan(lengths, b, plan)
+            got = sum(b.cost(bs, s) for bs, s, _ in plan)
+            assert got == pytest.approx(_brute_force_cost(sorted(lengths), b))
+    # a 57-input request of very different lengths: far less padding than one bucket
+    lengths = [rng.choice([rng.randint(4, 14), rng.randint(15, 40), rng.randint(41, 250)]) for _ in range(57)]
+    plan = plan_groups(lengths, b)
+    _check_plan(lengths, b, plan)
+    one = EncoderBuckets(max_len=256, max_batch_tokens=8192)
+    assert b.padded_tokens(plan) < 0.6 * _one_bucket_padded(lengths, one)
+    assert plan_groups([], b) == []
+    with pytest.raises(InvalidRequest):
+        plan_groups([257], b)
+
+
+def test_mixed_lengths_grouped_match_sentence_transformers(minilm_worker, sentences, st_reference):
+    """One request of 57 inputs from 3 to 256 tokens: grouped by length, scattered back in order."""
+    rng = random.Random(5)
+    order = list(range(len(sentences)))
+    rng.shuffle(order)  # long and short neighbours in the request
+    before_padded, before_compiles = minilm_worker.padded_tokens, global_compile_count()
+    out = run(minilm_worker, EmbedRequest("mixed", texts=[sentences[k] for k in order]))
+    ref = st_reference[order]
+    cos = cosine_rows(out.embeddings, ref)
+    assert cos.min() >= 0.99999, f"cosine min {cos.min():.7f} at input {int(cos.argmin())}"
+    assert np.abs(out.embeddings - ref).max() < 1e-4
+    # identical order: each row is nearest to its own reference row, not a neighbour's
+    sims = out.embeddings @ ref.T
+    assert (sims.argmax(1) == np.arange(len(order))).all()
+    # padding: the request runs in token-budget steps (inputs in order); one bucket per step
+    # would pad every row to the step's longest input
+    lengths = out.token_counts
+    assert len(set(lengths)) > 20 and min(lengths) <= 5 and max(lengths) == 256
+    b = minilm_worker.buckets
+    steps, cur, tokens = [], [], 0
+    for n in lengths:
+        if cur and tokens + n > b.max_batch_tokens:
+            steps.append(cur)
+            cur, tokens = [], 0
+        cur.append(n)
+        tokens += n
+    steps.append(cur)
+    padded = minilm_worker.padded_tokens - before_padded
+    assert padded == sum(b.padded_tokens(plan_groups(st, b)) for st in steps)
+    assert padded < sum(_one_bucket_padded(st, b) for st in steps)
+    assert minilm_worker.compilations_after_warmup == 0 and global_compile_count() == before_compiles
 
 
 # ---------------------------------------------------------------------------------------------

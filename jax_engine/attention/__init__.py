@@ -1,0 +1,108 @@
+"""Attention backends: one module per kernel family, chosen by platform (DESIGN.md §5).
+
+  reference   pure JAX (gather through the page table, masked softmax); CPU, and the fallback anywhere
+  pallas_gpu  jax.experimental.pallas.ops.gpu.paged_attention for decode, own Pallas flash kernel
+              over the gathered pages for prefill (and for sliding-window decode)
+  pallas_tpu  jax.experimental.pallas.ops.tpu.ragged_paged_attention for both
+
+A backend owns its KV-cache layout, so it owns everything that touches the cache: its shape and
+sharding (`cache_specs`), the KV write, the attention itself and the copy-on-write page copy.
+Interface (duck-typed): `name`, `unsupported(cfg, page_size, dtype)` (None or why not),
+`cache_specs(cfg, num_pages, page_size)` ({"k"|"v": (shape, PartitionSpec)}), `prepare(cfg, inp,
+page_size)` (per-step metadata, outside the layer scan), `write(kc, vc, layer, k, v, meta)`,
+`attend(q, kc, vc, layer, meta)` (q [B, Tq, KVH, G, D] -> same shape) and `copy_page(cfg, kc, vc,
+src, dst, page_size)`.
+`LlamaConfig.attention_backend` names it (default `reference`; GenerateWorker sets it from
+`--attention-backend` through `resolve()`); the runner and `llama.forward` both ask `get()`.
+
+`--attention-backend` (EngineArgs.attention_backend): `auto` = TPU -> pallas_tpu, GPU ->
+pallas_gpu, CPU -> reference; `reference` forces the reference anywhere; `pallas` forces the
+platform's kernel and fails at start-up on CPU (interpret mode is for the tests only, far too slow
+to serve) or where the kernel does not support the model's shapes. The Pallas kernels are not
+wrapped in shard_map yet, so with tensor parallelism (tp > 1) `auto` picks the reference and
+`pallas` is refused: a kernel custom call inside a GSPMD-partitioned program would gather the
+whole KV cache onto every device.
+
+Names `get()` accepts beyond those: `pallas_gpu`, `pallas_tpu`, and any of them with
+`:interpret` (Pallas interpret mode; tests run the kernels on CPU this way).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from jax_engine.errors import InvalidRequest
+
+log = logging.getLogger("xlaserve.attention")
+
+CHOICES = ("auto", "reference", "pallas")
+
+
+def _platform() -> str:
+    try:
+        from jax_engine import backend as platform_backend   # the one place that names the platform (tests patch it)
+    except ImportError:
+        import jax
+        return jax.default_backend()
+    return platform_backend.platform()
+
+
+def _by_platform(plat: str) -> str:
+    return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}.get(plat, "reference")
+
+
+def resolve(choice: Optional[str], cfg: Any, page_size: int, dtype: Any, tp: int = 1,
+            platform: Optional[str] = None) -> str:
+    """The concrete backend for an `--attention-backend` choice on this platform (start-up check)."""
+    choice = choice or "auto"
+    if choice not in CHOICES:
+        raise InvalidRequest(f"attention backend {choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "reference":
+        return "reference"
+    plat = platform or _platform()
+    name = _by_platform(plat)
+    why = None
+    if name == "reference":
+        why = f"no Pallas attention kernel for platform {plat!r} (Pallas interpret mode is for tests only)"
+    elif tp > 1:
+        why = f"the Pallas kernels are not sharded for tensor parallelism yet (tp {tp})"
+    else:
+        why = get(name).unsupported(cfg, page_size, dtype)
+    if why is None:
+        log.info("attention backend: %s (%s on %s)", name, choice, plat)
+        return name
+    if choice == "pallas":
+        raise InvalidRequest(f"--attention-backend pallas: {why}; use auto or reference")
+    log.info("attention backend: reference (auto on %s: %s)", plat, why)
+    return "reference"
+
+
+_CACHE: dict[str, Any] = {}
+
+
+def get(name: Optional[str]) -> Any:
+    """The backend object for a concrete name (`auto` resolves by platform only)."""
+    base, _, mode = (name or "auto").partition(":")
+    if mode not in ("", "interpret"):
+        raise InvalidRequest(f"attention backend {name!r}: unknown mode {mode!r}")
+    if base in ("auto", "pallas"):
+        plat = _platform()
+        base = _by_platform(plat)
+        if base == "reference" and name.startswith("pallas"):
+            raise InvalidRequest(f"attention backend 'pallas' needs a GPU or TPU, not {plat!r}")
+    key = f"{base}:{mode}"
+    if key not in _CACHE:
+        interpret = mode == "interpret"
+        if base == "reference":
+            from jax_engine.attention.reference import Reference
+            be = Reference()
+        elif base == "pallas_gpu":
+            from jax_engine.attention.pallas_gpu import PallasGPU
+            be = PallasGPU(interpret=interpret)
+        elif base == "pallas_tpu":
+            from jax_engine.attention.pallas_tpu import PallasTPU
+            be = PallasTPU(interpret=interpret)
+        else:
+            raise InvalidRequest(f"attention backend {name!r} is not known (reference, pallas_gpu, pallas_tpu)")
+        _CACHE[key] = be
+    return _CACHE[key]

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_engine import attention
 from jax_engine.errors import InvalidRequest
 from jax_engine.models.registry import DECODERS, architecture_of
 
@@ -51,6 +52,8 @@ class LlamaConfig:
     eos_token_ids: tuple = ()
     pad_token_id: Optional[int] = None
     kv_repeat: int = 1                    # KV heads replicated this many times (TP > KV heads)
+    # jax_engine/attention backend; the served path sets it from --attention-backend (attention.resolve)
+    attention_backend: str = "reference"
 
     @property
     def group(self) -> int:
@@ -158,25 +161,16 @@ def forward(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Run all layers; returns (final-normed hidden [B, Tq, H], k_cache, v_cache).
 
-    The caches are [L, num_pages * page_size, KVH, D]; they travel in the scan carry and are
-    updated with scatters so a donated buffer is written in place.
+    The caches' layout belongs to the attention backend (jax_engine/attention/; the reference's
+    is [L, num_pages * page_size, KVH, D]); they travel in the scan carry and are updated with
+    scatters so a donated buffer is written in place.
     """
-    B, Tq = inp.tokens.shape
-    P = inp.page_table.shape[1]
-    kvh = cfg.num_kv_heads * cfg.kv_repeat
-    G, D = cfg.num_heads // kvh, cfg.head_dim
+    G = cfg.num_heads // (cfg.num_kv_heads * cfg.kv_repeat)          # query heads per (replicated) KV head
     x = params["embed"][inp.tokens]                                   # [B, Tq, H]
     inv_freq = jnp.asarray(np.array(cfg.inv_freq, dtype=np.float32))
-    # keys of row b live at slots page_table[b] * page_size + offset, in position order
-    gather = (inp.page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None]).reshape(B, P * page_size)
-    key_pos = jnp.arange(P * page_size)
     q_pos = inp.positions
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < inp.kv_lens[:, None, None])
-    if cfg.sliding_window:
-        mask &= key_pos[None, None, :] > q_pos[:, :, None] - cfg.sliding_window
-    mask = mask[:, None, None]                                       # [B, 1, 1, Tq, S]
-    scale = 1.0 / math.sqrt(D)
-    flat_slots = inp.slots.reshape(-1)
+    attn = attention.get(cfg.attention_backend)
+    meta = attn.prepare(cfg, inp, page_size)                         # masks / kernel metadata, once per step
 
     def layer(carry, lp):
         x, kc, vc, li = carry
@@ -190,16 +184,8 @@ def forward(
             k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
         q = rope(q, q_pos, inv_freq, cfg.rope_attention_factor)
         k = rope(k, q_pos, inv_freq, cfg.rope_attention_factor)
-        kc = kc.at[li, flat_slots].set(k.reshape(B * Tq, kvh, D).astype(kc.dtype))
-        vc = vc.at[li, flat_slots].set(v.reshape(B * Tq, kvh, D).astype(vc.dtype))
-        keys = kc[li, gather]                                         # [B, S, KVH, D]
-        vals = vc[li, gather]
-        s = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
-                       preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mask, s, -1e30)
-        p = jax.nn.softmax(s, axis=-1)
-        a = jnp.einsum("bkgts,bskd->btkgd", p.astype(vals.dtype), vals,
-                       preferred_element_type=jnp.float32).astype(x.dtype)
+        kc, vc = attn.write(kc, vc, li, k, v, meta)
+        a = attn.attend(q, kc, vc, li, meta).astype(x.dtype)         # [B, Tq, KVH, G, D]
         x = x + linear(a, lp["o"], "btkgd,kgdh->bth")
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
         gu = linear(h, lp["gate_up"], "bth,hci->btci")

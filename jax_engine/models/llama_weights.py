@@ -43,13 +43,13 @@ QUANTIZABLE = set(SCALE_SPECS)
 
 def sharding_for(name: str, mesh: Optional[Mesh]) -> Any:
     if mesh is None:
-        return jax.devices()[0]
+        return jax.local_devices()[0]
     return NamedSharding(mesh, SPECS[name])
 
 
 def scale_sharding_for(name: str, mesh: Optional[Mesh]) -> Any:
     if mesh is None:
-        return jax.devices()[0]
+        return jax.local_devices()[0]
     return NamedSharding(mesh, SCALE_SPECS[name][1])
 
 

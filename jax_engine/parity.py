@@ -1,0 +1,37 @@
+"""Logits of every prompt position through the serving forward pass, for parity checks.
+
+The serving programs return only each row's last logits; comparing against transformers needs
+all of them. This runs `llama.forward` over a fresh set of pages (1..P) of a copy of the
+runner's KV layout, so it leaves the served state untouched. Used by the tests and by
+benchmarks/device_check.py; not on any serving path (it compiles on first use).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_engine.models import llama
+from jax_engine.models.llama import StepInputs
+
+
+def prompt_logits(runner, prompt: list[int]) -> np.ndarray:
+    """[len(prompt), vocab] float32 logits of `prompt` through `runner`'s params and cache layout."""
+    cfg, ps = runner.cfg, runner.rc.page_size
+    T = len(prompt)
+    P = math.ceil(T / ps)
+    pages = np.arange(1, P + 1, dtype=np.int32)
+    pos = np.arange(T, dtype=np.int32)
+    slots = pages[pos // ps] * ps + pos % ps
+
+    @jax.jit
+    def f(params, k, v, tokens, positions, slots, table, kv_lens):
+        h, _, _ = llama.forward(params, cfg, k, v, StepInputs(tokens, positions, slots, table, kv_lens), ps)
+        return llama.lm_head(params, cfg, h[0])
+
+    k = jnp.zeros_like(runner.state["k"])
+    v = jnp.zeros_like(runner.state["v"])
+    return np.asarray(f(runner.params, k, v, jnp.array([prompt], jnp.int32), pos[None], slots[None], pages[None],
+                        jnp.array([T], jnp.int32)))

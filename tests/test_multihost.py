@@ -1,0 +1,195 @@
+"""Two `xlaserve serve` processes on loopback form one TP=2 mesh (one CPU device each, gloo
+collectives, jax.distributed); process 0 serves the fronts, process 1 follows its steps.
+
+Their greedy tokens must equal a single process's (the in-process engine at TP 1) and
+transformers' `generate`. SIGTERM to process 0 then stops both with exit code 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+
+import grpc
+import pytest
+
+from jax_engine.config import ModelSpec
+from jax_engine.engine import Engine
+from tests import hf_models
+from tests.conftest import wait_for
+from tests.test_cli_e2e import xlaserve
+from tests.test_decoder import PROMPTS, greedy_all, small_args
+
+NEW_TOKENS = 12
+FLAGS = ["--max-running-requests", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128",
+         "--page-size", "8", "--num-pages", "64", "--max-n", "1", "--max-top-logprobs", "1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, cmd: list[str], env: dict):
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            self.lines.append(raw.decode(errors="replace").rstrip())
+
+    def find(self, text: str):
+        return next((ln for ln in list(self.lines) if text in ln), None)
+
+    def log(self) -> str:
+        return "\n".join(self.lines[-40:])
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen2_mh"))
+    torch_model = hf_models.build("qwen2", path)    # 2 KV heads: one per process at TP 2
+    return path, torch_model
+
+
+def test_two_processes_form_one_tp2_mesh_and_match_one_process(model_path, tmp_path):
+    path, torch_model = model_path
+    expected_hf = [hf_models.hf_greedy(torch_model, p, NEW_TOKENS) for p in PROMPTS]
+    single = Engine(small_args(models=[ModelSpec(name="m", path=path)]))
+    single.load_all(progress=False, warmup=False)
+    try:
+        expected = asyncio.run(greedy_all(single, PROMPTS, NEW_TOKENS))
+    finally:
+        single.shutdown()
+    assert expected == expected_hf
+
+    env = dict(os.environ, XLASERVE_PROGRESS="0", JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    coord = f"127.0.0.1:{_free_port()}"
+    common = ["serve", "--model", f"m={path}", "--tp", "2", "--coordinator-address", coord,
+              "--num-processes", "2", "--grpc-port", "0", "--http-port", "0", *FLAGS]
+    procs = [Proc(xlaserve() + common + ["--process-id", str(i)], env) for i in (0, 1)]
+    try:
+        lead, follower = procs
+        assert wait_for(lambda: lead.find("ready in") or lead.proc.poll() is not None, 420, 0.5), lead.log()
+        assert lead.proc.poll() is None, lead.log()
+        assert wait_for(lambda: follower.find("following process 0 for m/0"), 60, 0.5), follower.log()
+        # one mesh over both processes' devices (process 1's CPU device ids start at 2048)
+        assert "mesh data=1 x model=2" in (lead.find("model m: ") or ""), lead.log()
+        assert "devices cpu:0,cpu:2048" in lead.find("model m: "), lead.log()
+        addr = lead.find("gRPC listening on").split("gRPC listening on ")[1].split(",")[0].split(" ")[0]
+
+        from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pbg
+
+        def generate(i: int, prompt: list[int]) -> list[int]:
+            sp = pb.SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            req = pb.GenerateRequest(request_id=f"mh{i}", tokenized=pb.TokenizedInput(input_ids=prompt),
+                                     sampling_params=sp, stream=False)
+            with grpc.insecure_channel(addr) as ch:
+                msgs = list(pbg.SglangSchedulerStub(ch).Generate(req, timeout=120))
+            return list(msgs[-1].complete.output_ids)
+
+        got: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i, p=p: got.__setitem__(i, generate(i, p)))
+                   for i, p in enumerate(PROMPTS)]     # concurrent: batched decode across the mesh
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert [got.get(i) for i in range(len(PROMPTS))] == expected, lead.log() + "\n---\n" + follower.log()
+
+        lead.proc.send_signal(signal.SIGTERM)
+        assert lead.proc.wait(120) == 0, lead.log()
+        assert follower.proc.wait(60) == 0, follower.log()
+        steps = re.search(r"process 0 stopped after (\d+) steps", follower.find("process 0 stopped after") or "")
+        assert steps and int(steps.group(1)) >= NEW_TOKENS, follower.log()   # it replayed every decode step
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(10)
+
+
+# ------------------------------------------------------------------------ in-process units
+class _FakeChannel:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.log: list[tuple] = []
+
+    def publish(self, message: tuple) -> None:
+        assert self.lock.locked()           # publish and launch happen under one lock
+        self.log.append(message)
+
+    def receive(self) -> tuple:
+        return self.log.pop(0)
+
+
+class _Runner:
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.rc = "rc"
+
+    def decode(self, rows, greedy):
+        self.calls.append(("decode", rows, greedy))
+        return "tokens"
+
+    def set_slot(self, slot, prompt_ids, output_ids):
+        self.calls.append(("set_slot", slot, prompt_ids, output_ids))
+
+    def state_lost(self):
+        return False
+
+
+def test_leader_publishes_each_device_call_and_follower_replays_it(monkeypatch):
+    from jax_engine import multihost
+
+    chan = _FakeChannel()
+    leader_side, follower_side = _Runner(), _Runner()
+    proxy = multihost.LeaderRunner(leader_side, "m/0", chan)
+    assert proxy.decode([{"t": 1}], True) == "tokens"
+    proxy.set_slot(3, [1, 2], [])
+    assert proxy.rc == "rc" and proxy.state_lost() is False     # host-side: not published
+    proxy.fault_hook = "hook"                                   # attributes land on the real runner
+    assert leader_side.fault_hook == "hook"
+    assert [m[:2] for m in chan.log] == [("m/0", "decode"), ("m/0", "set_slot")]
+    chan.log.append(("__stop__",))
+    monkeypatch.setattr(multihost, "_channel", chan)
+    assert multihost.follow({"m/0": follower_side}) == 2
+    assert follower_side.calls == leader_side.calls
+
+
+def test_follower_refuses_a_call_for_a_model_it_does_not_have(monkeypatch):
+    from jax_engine import multihost
+
+    chan = _FakeChannel()
+    chan.log.append(("other/0", "decode", ([], True)))
+    monkeypatch.setattr(multihost, "_channel", chan)
+    with pytest.raises(RuntimeError, match="same model flags"):
+        multihost.follow({"m/0": _Runner()})
+
+
+def test_flags_are_checked_and_runtime_loading_is_refused(monkeypatch, tmp_path):
+    from frontends.cli import parse_serve_args
+    from jax_engine import multihost
+    from jax_engine.errors import Unimplemented
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for bad in (["--num-processes", "2"], ["--num-processes", "2", "--coordinator-address", "h:1", "--process-id", "2"]):
+        with pytest.raises(SystemExit):
+            parse_serve_args(["--model", str(folder), *bad])
+    ns = parse_serve_args(["--model", str(folder), "--num-processes", "2", "--coordinator-address", "h:1",
+                           "--process-id", "1"])
+    assert (ns.num_processes, ns.process_id, ns.coordinator_address) == (2, 1, "h:1")
+
+    monkeypatch.setattr(multihost, "_channel", _FakeChannel())
+    eng = Engine(small_args(model_root=str(tmp_path)))
+    with pytest.raises(Unimplemented, match="more than one process"):
+        asyncio.run(eng.load_model(ModelSpec(name="x", path=str(folder))))

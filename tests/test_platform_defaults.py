@@ -1,0 +1,82 @@
+"""`--dtype auto`: float32 on CPU, bfloat16 weights and KV cache on GPU / TPU (the platform is
+monkeypatched; the arrays themselves live on the CPU), float32 logits everywhere."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_engine import backend
+from jax_engine.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("plat, want", [("cpu", jnp.float32), ("gpu", jnp.bfloat16), ("tpu", jnp.bfloat16)])
+def test_auto_follows_the_platform(monkeypatch, plat, want):
+    monkeypatch.setattr(backend, "platform", lambda: plat)
+    for choice in ("auto", "", None):
+        assert backend.resolve_dtype(choice) == want
+    assert backend.default_decoder_dtype() == jnp.dtype(want).name
+    assert backend.is_accelerator() == (plat != "cpu")
+
+
+@pytest.mark.parametrize("plat", ["cpu", "gpu", "tpu"])
+def test_explicit_choice_wins(monkeypatch, plat):
+    monkeypatch.setattr(backend, "platform", lambda: plat)
+    assert backend.resolve_dtype("float32") == jnp.float32
+    assert backend.resolve_dtype("fp32") == jnp.float32
+    assert backend.resolve_dtype("bfloat16") == jnp.bfloat16
+    assert backend.resolve_dtype("bf16") == jnp.bfloat16
+    with pytest.raises(InvalidRequest):
+        backend.resolve_dtype("float16")
+
+
+def test_the_real_platform_here_is_cpu():
+    assert backend.platform() == "cpu"
+    assert backend.resolve_dtype("auto") == jnp.float32
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory) -> str:
+    from jax_engine.demo_model import build_demo_generator
+
+    return build_demo_generator(str(tmp_path_factory.mktemp("platform") / "demo"))
+
+
+def _load(path: str):
+    from jax_engine.config import EngineArgs, ModelSpec
+    from jax_engine.engine import Engine
+
+    # the attention backend stays the CPU one: this is about dtypes, and the arrays live on the CPU
+    extra = {"attention_backend": "reference"} if "attention_backend" in EngineArgs.__dataclass_fields__ else {}
+    args = EngineArgs(models=[ModelSpec(name="m", path=path)], max_running_requests=2, max_num_batched_tokens=32,
+                      max_model_len=64, page_size=8, num_pages=16, **extra)
+    engine = Engine(args)
+    engine.load_all(progress=False, warmup=False)
+    return engine
+
+
+@pytest.mark.parametrize("plat, want", [("gpu", "bfloat16"), ("cpu", "float32")])
+def test_generate_worker_weights_and_kv_cache(monkeypatch, demo_path, plat, want):
+    from jax_engine.models import llama
+
+    monkeypatch.setattr(backend, "platform", lambda: plat)
+    engine = _load(demo_path)
+    try:
+        worker = engine._worker("m")
+        assert worker.info.dtype == want
+        runner = worker.replicas[0].runner
+        assert runner.state["k"].dtype == want and runner.state["v"].dtype == want
+        # matrices take the chosen dtype; norm weights (and biases) stay float32 by design
+        p = runner.params
+        for w in (p["embed"], p["lm_head"], *(p["layers"][k] for k in ("qkv", "o", "gate_up", "down"))):
+            assert w.dtype == want
+        assert p["final_norm"].dtype == jnp.float32 and p["layers"]["ln1"].dtype == jnp.float32
+        # logits come out in float32 whatever the weights are
+        h = jnp.ones((2, worker.cfg.hidden_size), want)
+        logits = llama.lm_head(runner.params, worker.cfg, h)
+        assert logits.dtype == jnp.float32 and bool(np.isfinite(np.asarray(logits)).all())
+        # the page budget counts the KV cache at its real width
+        assert runner.kv_bytes_per_page() == (2 * worker.cfg.num_layers * 8 * worker.cfg.num_kv_heads
+                                              * worker.cfg.head_dim * jnp.dtype(want).itemsize)
+    finally:
+        engine.shutdown(timeout=2.0)
