@@ -11,7 +11,7 @@ from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.demo_model import build_demo_generator, llama_config
 from jax_engine.engine import Engine
 from jax_engine.errors import InvalidRequest, Overloaded
-from jax_engine.types import GenerateRequest, SamplingParams
+from jax_engine.types import EmbedRequest, GenerateRequest, SamplingParams
 
 PS = 8
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -366,6 +366,8 @@ def test_validation_and_overload(model_dir, engine):
                 await asyncio.sleep(0)      # each task submits on its first step
             with pytest.raises(Overloaded, match="waiting queue is full"):
                 await run(full, [1, 2], max_new_tokens=2)
+            with pytest.raises(Overloaded, match="waiting queue is full"):   # the decoder as embedder too
+                await full.embed(EmbedRequest(request_id="", token_ids=[[1, 2, 3]], model="gen"))
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -407,6 +409,31 @@ def test_fault_in_one_step_fails_only_its_requests(model_dir):
         after = eng.counters.snapshot()
         delta = {k: after[k] - before[k] for k in after}
         assert delta == {"accepted": 4, "completed": 2, "errored": 2, "cancelled": 0}
+    finally:
+        eng.shutdown()
+
+
+def test_fault_in_admission_fails_only_that_request(model_dir):
+    """A failed set_slot (the penalty-state reset at admission) ends that request with an error,
+    frees its pages and slot, and the next request is served normally."""
+    eng = make_engine(model_dir, warmup=False)
+    runner = eng._workers["gen"].replicas[0].runner
+    calls = {"set_slot": 0}
+
+    def hook(program: str) -> None:
+        if program == "set_slot":
+            calls["set_slot"] += 1
+            if calls["set_slot"] == 1:
+                raise RuntimeError("injected admission fault")
+
+    try:
+        runner.fault_hook = hook
+        first = asyncio.run(run(eng, [5, 6, 7], **greedy(None, 4)))[0]["final"]
+        assert first.finish_reason == "error" and "injected admission fault" in first.error
+        second = asyncio.run(run(eng, [5, 6, 7], **greedy(None, 4)))[0]["final"]
+        assert second.finish_reason == "length" and second.completion_tokens == 4
+        st = eng.stats("gen")
+        assert st.pages_used == 0 and st.running_requests == 0 and eng.healthy()
     finally:
         eng.shutdown()
 
