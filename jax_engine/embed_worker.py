@@ -230,6 +230,9 @@ class EmbedWorker:
         return bert.forward(params, self.cfg, ids, types, mask)
 
     def _build_info(self, dtype: str) -> ModelInfo:
+        if self.spec.tp > 1 or self.spec.replicas > 1:
+            log.warning("%s: encoders run on one device (this process's first); --tp %d / --replicas %d "
+                        "apply to decoders only", self.spec.name, self.spec.tp, self.spec.replicas)
         c, tok = self.cfg, self.tokenizer
         eos = tok.sep_token_id if tok.sep_token_id is not None else (tok.eos_token_id or c.eos_token_id)
         bos = tok.cls_token_id if tok.cls_token_id is not None else (tok.bos_token_id or c.bos_token_id)
@@ -241,7 +244,7 @@ class EmbedWorker:
             num_params=bert.count_params(self.params),
             eos_token_ids=[eos] if eos is not None else [], bos_token_id=bos, pad_token_id=pad,
             id2label=dict(c.id2label), hidden_size=c.hidden_size, embedding_dim=c.output_dim,
-            tp=self.spec.tp, replicas=self.spec.replicas, state="built",
+            tp=1, replicas=1, state="built",     # encoders run on one device (below)
         )
 
     def warmup(self, progress: bool = True) -> None:
