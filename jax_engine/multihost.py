@@ -152,7 +152,12 @@ def follow(runners: dict[str, Any], on_call: Optional[Callable[[str, str], None]
         if runner is None or name not in MIRRORED:
             raise RuntimeError(f"process 0 called {key}.{name}, which this process does not have; "
                                "start every process with the same model flags")
-        getattr(runner, name)(*args)
+        try:
+            getattr(runner, name)(*args)
+        except Exception as e:
+            # The leader contains a failed step the same way (scheduler._step_failed: the step's
+            # requests fail, a lost state is reset, and that reset is replayed here too).
+            log.error("replaying %s.%s failed: %r", key, name, e)
         n += 1
         if on_call is not None:
             on_call(key, name)

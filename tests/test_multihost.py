@@ -165,6 +165,21 @@ def test_leader_publishes_each_device_call_and_follower_replays_it(monkeypatch):
     assert follower_side.calls == leader_side.calls
 
 
+def test_a_failed_replay_is_contained_like_the_leaders_step(monkeypatch):
+    from jax_engine import multihost
+
+    class Failing(_Runner):
+        def decode(self, rows, greedy):
+            raise RuntimeError("device fault")
+
+    chan = _FakeChannel()
+    chan.log += [("m/0", "decode", ([], True)), ("m/0", "set_slot", (1, [2], [])), ("__stop__",)]
+    monkeypatch.setattr(multihost, "_channel", chan)
+    follower = Failing()
+    assert multihost.follow({"m/0": follower}) == 2
+    assert follower.calls == [("set_slot", 1, [2], [])]
+
+
 def test_follower_refuses_a_call_for_a_model_it_does_not_have(monkeypatch):
     from jax_engine import multihost
 
