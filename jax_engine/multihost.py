@@ -16,11 +16,14 @@ cannot complete; JAX's coordination service notices the missing heartbeats and e
 """
 from __future__ import annotations
 
+import base64
+import json
 import logging
-import pickle
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+import numpy as np
 
 log = logging.getLogger("xlaserve.multihost")
 
@@ -75,6 +78,28 @@ def channel() -> "StepChannel":
     return _channel
 
 
+def encode(message: tuple) -> bytes:
+    """JSON with numpy arrays as {"__nd__": [dtype, shape, base64]}. Not pickle: whoever can
+    reach the coordinator's port could otherwise run code on every follower."""
+    def default(o: Any) -> Any:
+        if isinstance(o, np.ndarray):
+            a = np.ascontiguousarray(o)
+            return {"__nd__": [a.dtype.str, list(a.shape), base64.b64encode(a.tobytes()).decode("ascii")]}
+        if isinstance(o, np.generic):
+            return o.item()
+        raise TypeError(f"cannot publish a {type(o).__name__}")
+    return json.dumps(message, default=default, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> tuple:
+    def hook(d: dict) -> Any:
+        if len(d) == 1 and "__nd__" in d:
+            dtype, shape, b64 = d["__nd__"]
+            return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dtype)).reshape(shape).copy()
+        return d
+    return tuple(json.loads(data, object_hook=hook))
+
+
 class StepChannel:
     """An ordered log of runner calls in the coordination service's key-value store."""
 
@@ -88,7 +113,7 @@ class StepChannel:
 
     def publish(self, message: tuple) -> None:
         """Leader side; call with `lock` held."""
-        self.client.key_value_set_bytes(f"{_PREFIX}{self.seq}", pickle.dumps(message, protocol=5))
+        self.client.key_value_set_bytes(f"{_PREFIX}{self.seq}", encode(message))
         if self.seq >= _KEEP:
             try:
                 self.client.key_value_delete(f"{_PREFIX}{self.seq - _KEEP}")
@@ -106,8 +131,7 @@ class StepChannel:
                     continue        # the leader is idle; keep waiting
                 raise
             self.seq += 1
-            # Trusted peers only: the store is reachable by the job's processes alone.
-            return pickle.loads(data)
+            return decode(data)
 
     def stop(self) -> None:
         with self.lock:

@@ -165,6 +165,26 @@ def test_leader_publishes_each_device_call_and_follower_replays_it(monkeypatch):
     assert follower_side.calls == leader_side.calls
 
 
+def test_published_calls_round_trip_exactly_and_are_not_pickle():
+    import numpy as np
+
+    from jax_engine import multihost
+
+    raw = np.random.default_rng(0).standard_normal(50).astype(np.float32)
+    row = {"token": np.int32(7), "pages": [np.int64(1), 2], "sampling": {"temperature": 0.5, "bias": [(3, -1.5)],
+                                                                     "seeds": 2 ** 32 - 1, "ban": []}}
+    msg = ("m/0", "first_tokens", (raw, [row], [np.int32(4)]))
+    data = multihost.encode(msg)
+    assert not data.startswith(b"\x80")            # JSON, not a pickle stream
+    key, name, (raw2, rows2, slots2) = multihost.decode(data)
+    assert (key, name) == ("m/0", "first_tokens") and slots2 == [4]
+    assert raw2.dtype == np.float32 and np.array_equal(raw2, raw)
+    assert rows2[0]["token"] == 7 and rows2[0]["pages"] == [1, 2]
+    assert rows2[0]["sampling"]["bias"] == [[3, -1.5]] and rows2[0]["sampling"]["seeds"] == 2 ** 32 - 1
+    with pytest.raises(TypeError, match="cannot publish"):
+        multihost.encode(("m/0", "decode", (object(),)))
+
+
 def test_a_failed_replay_is_contained_like_the_leaders_step(monkeypatch):
     from jax_engine import multihost
 
