@@ -8,9 +8,7 @@ import tempfile
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["XLASERVE_PROGRESS"] = "0"
 
-import numpy as np  # noqa: E402
-
-from jax_engine.config import EngineArgs, ModelSpec  # noqa: E402
+from jax_engine.config import ModelSpec  # noqa: E402
 from jax_engine.engine import Engine  # noqa: E402
 from tests import hf_models  # noqa: E402
 from tests.test_decoder import PROMPTS, engine_logits, greedy_all, small_args  # noqa: E402
