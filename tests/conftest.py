@@ -221,6 +221,15 @@ def http_url(server_loop, http_app):
     stop()
 
 
+@pytest.fixture(scope="module")
+def client(http_url):
+    """A plain HTTP client on the shared test app (no API key)."""
+    import httpx
+
+    with httpx.Client(base_url=http_url, timeout=60) as c:
+        yield c
+
+
 @pytest.fixture(scope="session")
 def secured_http_url(server_loop, serving_engine):
     """The app with --api-key and a small body limit (auth and 413 tests)."""

@@ -50,9 +50,8 @@ ARC = "/arctic_inference.InferenceService"
 # helpers
 # =============================================================================================
 @pytest.fixture(scope="module")
-def http(http_url):
-    with httpx.Client(base_url=http_url, timeout=60) as c:
-        yield c
+def http(client):
+    return client
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,6 @@ MIRROR_HEALTH = "/arctic_inference.InferenceService/HealthCheck"
 
 
 @pytest.fixture(scope="module")
-def client(http_url):
-    with httpx.Client(base_url=http_url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def secured(secured_http_url):
     with httpx.Client(base_url=secured_http_url, timeout=60) as c:
         yield c

@@ -17,12 +17,6 @@ PROMPT_IDS = [1, 40, 41, 42, 43, 44, 45, 46]
 CHAT = [{"role": "user", "content": "hello world"}]
 
 
-@pytest.fixture(scope="module")
-def client(http_url):
-    with httpx.Client(base_url=http_url, timeout=60) as c:
-        yield c
-
-
 def engine_greedy(server_loop, engine, prompt_ids, n_tokens) -> list[int]:
     async def run():
         toks: list[int] = []
