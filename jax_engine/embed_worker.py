@@ -571,7 +571,9 @@ def _int_array(seq: object, name: str) -> np.ndarray:
 def _program_token_cap() -> Optional[int]:
     """Largest batch * seq_len of one program: CPU_PROGRAM_TOKENS on CPU; on accelerators the
     whole token budget (None), where bigger programs only fill the device better."""
-    return CPU_PROGRAM_TOKENS if jax.default_backend() == "cpu" else None
+    from jax_engine import backend
+
+    return None if backend.is_accelerator() else CPU_PROGRAM_TOKENS
 
 
 def _resolve_dtype(spec_dtype: str, engine_dtype: str, path: str) -> str:
@@ -579,9 +581,11 @@ def _resolve_dtype(spec_dtype: str, engine_dtype: str, path: str) -> str:
     choice = spec_dtype if spec_dtype and spec_dtype != "auto" else engine_dtype
     if choice and choice != "auto":
         return choice
-    if jax.default_backend() == "cpu":
-        return "float32"
+    from jax_engine import backend
     from weights_convert.hf import read_config
+
+    if not backend.is_accelerator():
+        return "float32"
 
     cfg = read_config(path)
     saved = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")

@@ -36,11 +36,6 @@ from weights_convert.hf import CheckpointError, CheckpointReader, read_config
 log = logging.getLogger("xlaserve.generate")
 
 
-def resolve_dtype(name: str) -> jnp.dtype:
-    """Weights, activations and KV cache dtype; `auto` follows the platform (jax_engine/backend.py)."""
-    return backend.resolve_dtype(name)
-
-
 def make_meshes(tp: int, replicas: int) -> list[Optional[Mesh]]:
     """One ('data', 'model') mesh row per replica; None = single device, no sharding."""
     devs = jax.devices()
@@ -77,7 +72,7 @@ class GenerateWorker:
             raise InvalidRequest(f"tp {tp} does not divide {cfg.num_kv_heads} KV heads")
         import dataclasses
         self.cfg = dataclasses.replace(cfg, kv_repeat=kv_repeat)
-        self.dtype = resolve_dtype(spec.dtype if spec.dtype != "auto" else args.dtype)
+        self.dtype = backend.resolve_dtype(spec.dtype if spec.dtype != "auto" else args.dtype)
         quant = spec.quantize if spec.quantize != "none" else args.quantize
         if quant not in ("none", "int8"):
             raise InvalidRequest(f"quantize {quant!r} is not supported (none, int8)")

@@ -46,7 +46,7 @@ def convert(src: str, dst: str, dtype: str = "float32", quantize: str = "none", 
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    from jax_engine.generate_worker import resolve_dtype
+    from jax_engine.backend import resolve_dtype
     from jax_engine.models.llama import LlamaConfig
     from jax_engine.models.llama_weights import load_hf_params
     from weights_convert.hf import CheckpointReader, read_config

@@ -39,12 +39,9 @@ CHOICES = ("auto", "reference", "pallas")
 
 
 def _platform() -> str:
-    try:
-        from jax_engine import backend as platform_backend   # the one place that names the platform (tests patch it)
-    except ImportError:
-        import jax
-        return jax.default_backend()
-    return platform_backend.platform()
+    from jax_engine import backend   # the one place that names the platform (tests patch it)
+
+    return backend.platform()
 
 
 def _by_platform(plat: str) -> str:
