@@ -256,6 +256,15 @@ def test_minilm_info(minilm_worker):
     assert minilm_worker.cfg.pooling == "mean" and minilm_worker.cfg.normalize
 
 
+def test_encoder_reports_one_device_and_warns_about_tp(bert_ce_dirs, caplog):
+    """--tp / --replicas apply to decoders only: an encoder says so and reports what it runs on."""
+    spec = ModelSpec(name="ce", path=bert_ce_dirs[1], tp=2, replicas=3)
+    with caplog.at_level("WARNING", logger="jax_engine.embed_worker"):
+        w = EmbedWorker(spec, EngineArgs(**TINY_ARGS))
+    assert (w.info.tp, w.info.replicas) == (1, 1)
+    assert "apply to decoders only" in caplog.text
+
+
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_cross_encoder_matches_transformers(bert_ce_dirs, bert_ce_workers, num_labels):
     import torch

@@ -226,5 +226,9 @@ def test_flags_are_checked_and_runtime_loading_is_refused(monkeypatch, tmp_path)
 
     monkeypatch.setattr(multihost, "_channel", _FakeChannel())
     eng = Engine(small_args(model_root=str(tmp_path)))
-    with pytest.raises(Unimplemented, match="more than one process"):
+    with pytest.raises(Unimplemented, match="more than one process") as err:
         asyncio.run(eng.load_model(ModelSpec(name="x", path=str(folder))))
+    from frontends.errors import AS_STATUS_BY_KIND, grpc_code, http_status
+
+    assert (grpc_code(err.value), http_status(err.value)) == (grpc.StatusCode.UNIMPLEMENTED, 501)
+    assert AS_STATUS_BY_KIND[err.value.kind] == 8

@@ -438,6 +438,26 @@ def test_fault_in_admission_fails_only_that_request(model_dir):
         eng.shutdown()
 
 
+def test_page_bucket_ratio_reaches_the_runner_and_prefill_stays_coarse(model_dir):
+    from frontends.cli import engine_args, parse_serve_args
+
+    ns = parse_serve_args(["--model", model_dir, "--page-bucket-ratio", "4"])
+    assert engine_args(ns).page_bucket_ratio == 4
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--model", model_dir, "--page-bucket-ratio", "1"])
+    eng = make_engine(model_dir, warmup=False)          # default ratio 2; 128 tokens / 8 = 16 pages
+    try:
+        r = eng._workers["gen"].replicas[0].runner
+        assert r.page_buckets == [1, 2, 4, 8, 16]       # decode: x2
+        assert r.prefill_page_buckets == [1, 4, 16]     # prefill: x4
+        assert r.prefill_shape([10], [40])[2] == 16     # 5 pages -> the coarse bucket
+        keys = r.all_keys()
+        assert {k[1][1] for k in keys if k[0] == "decode_greedy"} == set(r.page_buckets)
+        assert {k[1][2] for k in keys if k[0] == "prefill"} <= set(r.prefill_page_buckets)
+    finally:
+        eng.shutdown()
+
+
 def test_request_larger_than_the_pool_is_invalid(model_dir):
     eng = make_engine(model_dir, warmup=False, num_pages=6)    # 5 usable pages of 8 tokens
     try:
