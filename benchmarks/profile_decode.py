@@ -7,7 +7,8 @@ Layers timed (each the median and minimum of many calls, context ~ prompt + new/
   decode_program          the compiled decode_greedy program alone (args prebuilt, state donated)
   bare_forward            jit(llama.forward + lm_head + argmax) with the same inputs (no sampling)
   weights_gemv_chain      only the layer matmuls + lm_head on one token (reads every weight once)
-  kv_gather               only the per-layer gather of K and V through the page table
+  kv_gather               only the per-layer gather of K and V through the page table (the
+                          reference attention does it; the CPU decode kernel reads pages in place)
   sampling_tail           penalties + argmax + log-softmax/top-k + count update over the vocab
 plus the compiled decode program's own cost analysis (flops, bytes accessed), and the decode
 program at the smaller page bucket to show what the attention's page bucket costs.
@@ -160,6 +161,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     G_, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
 
     def gemv_chain(params, x):
+        if cfg.matmul == "kernel":       # packed weights: the CPU kernel, as llama.forward calls it
+            from jax_engine.kernels import cpu as K
+            Ls = params["layers"]
+
+            def klayer(x, li):
+                qkv = K.linear(x, Ls["qkv"], li, 1, (cfg.num_kv_heads, G_ + 2, D))
+                x = x + K.linear(qkv[..., :G_, :], Ls["o"], li, 3, (cfg.hidden_size,))
+                gu = K.linear(x, Ls["gate_up"], li, 1, (2, cfg.intermediate_size))
+                return x + K.linear(gu[..., 0, :] * gu[..., 1, :], Ls["down"], li, 1, (cfg.hidden_size,)), None
+            x, _ = jax.lax.scan(klayer, x, jnp.arange(cfg.num_layers))
+            return llama.lm_head(params, cfg, x[:, 0])
+
         def layer(x, lp):
             qkv = llama.linear(x, lp["qkv"], "bth,hkgd->btkgd")
             x = x + llama.linear(qkv[..., :G_, :], lp["o"], "btkgd,kgdh->bth")
@@ -212,6 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     floor_ms = (wb["per_decode_step"] + kv_bytes) / (bw * 1e9) * 1e3
     p = lambda k: res[k]["ms_p50"]  # noqa: E731
     doc["setup"] = {"model": model, "dtype": a.dtype, "batch": B, "context": ctx, "iters": iters, "weight_bytes": wb,
+                    "matmul": cfg.matmul, "attention_backend": cfg.attention_backend,
                     "engine_args": {"max_running_requests": max_running, "max_model_len": max_model_len,
                                     "page_size": ps}}
     doc["limits"] = limits

@@ -158,6 +158,9 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     opt(m, "--attention-backend", default=d["attention_backend"], choices=["auto", "reference", "pallas"],
         help="decoder attention: auto (Pallas kernels on GPU / TPU, pure JAX on CPU), reference (pure JAX), "
              "pallas (the platform's Pallas kernel; refused on CPU)")
+    opt(m, "--cpu-matmul", default=d["cpu_matmul"], choices=["auto", "xla", "kernel"],
+        help="decoder matmuls on CPU: auto (the packed-panel C++ kernel for float32 unquantized tp-1 "
+             "decoders when a C++ compiler is present, else XLA's dot), xla, kernel (refused where it cannot run)")
 
     lim = p.add_argument_group("request limits")
     opt(lim, "--max-prompt-tokens", type=_positive, default=None, help="prompt token limit (default: the context)")
@@ -275,7 +278,7 @@ def engine_args(ns: argparse.Namespace):
         max_model_len=ns.max_model_len, page_size=ns.page_size, page_bucket_ratio=ns.page_bucket_ratio, num_pages=ns.num_pages,
         max_running_requests=ns.max_running_requests, max_num_batched_tokens=ns.max_num_batched_tokens,
         max_waiting_requests=ns.max_waiting_requests, enable_prefix_cache=ns.enable_prefix_cache,
-        compile_cache_dir=ns.compile_cache_dir, attention_backend=ns.attention_backend,
+        compile_cache_dir=ns.compile_cache_dir, attention_backend=ns.attention_backend, cpu_matmul=ns.cpu_matmul,
         max_prompt_tokens=ns.max_prompt_tokens,
         max_new_tokens_limit=ns.max_new_tokens_limit, max_n=ns.max_n, max_top_logprobs=ns.max_top_logprobs,
         max_stop_strings=ns.max_stop_strings, max_stop_string_len=ns.max_stop_string_len,

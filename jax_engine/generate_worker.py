@@ -23,6 +23,8 @@ from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.demo_model import is_demo_model
 from jax_engine.detokenizer import IncrementalDetokenizer
 from jax_engine.errors import Internal, InvalidRequest, Overloaded
+from jax_engine.kernels import cpu as cpu_kernels
+from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig
 from jax_engine.models.llama_weights import count_params, load_hf_params
 from jax_engine.page_pool import PagePool
@@ -76,12 +78,17 @@ class GenerateWorker:
         quant = spec.quantize if spec.quantize != "none" else args.quantize
         if quant not in ("none", "int8"):
             raise InvalidRequest(f"quantize {quant!r} is not supported (none, int8)")
+        if quant == "none":                      # a checkpoint converted with --quantize int8 is int8
+            from weights_convert.convert import converted_quantize
+            quant = converted_quantize(spec.path)
         self.quantize = quant
         self.max_model_len = min(spec.max_model_len or args.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         self.page_size = spec.page_size or args.page_size
         self.cfg = dataclasses.replace(self.cfg, attention_backend=attention.resolve(
             args.attention_backend, self.cfg, self.page_size, self.dtype, tp))   # jax_engine/attention
+        self.cfg = dataclasses.replace(self.cfg, matmul=cpu_kernels.resolve(
+            args.cpu_matmul, backend.platform(), self.dtype, quant, tp))           # jax_engine/kernels
         max_running = spec.max_running_requests or args.max_running_requests
         max_tokens = spec.max_num_batched_tokens or args.max_num_batched_tokens
         self.tokenizer = load_tokenizer(spec.path)
@@ -92,7 +99,7 @@ class GenerateWorker:
         for r, mesh in enumerate(self.meshes):
             bar = tqdm(total=self.cfg.num_layers, desc=f"loading {spec.name} (replica {r})", unit="layer",
                        disable=not os.environ.get("XLASERVE_PROGRESS", "1") == "1")
-            params = _load_params(spec.path, self.cfg, self.dtype, quant, mesh, bar.update)
+            params = llama.pack_for_kernel(_load_params(spec.path, self.cfg, self.dtype, quant, mesh, bar.update), self.cfg)
             bar.close()
             rc = RunnerConfig(page_size=self.page_size, num_pages=0, max_running=max_running,
                               max_batched_tokens=max_tokens, max_model_len=self.max_model_len,

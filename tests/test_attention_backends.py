@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from jax_engine import attention
+from jax_engine.attention.cpu import CpuKernel
 from jax_engine.attention.pallas_gpu import PallasGPU
 from jax_engine.attention.pallas_tpu import PallasTPU
 from jax_engine.attention.reference import Reference
@@ -271,10 +272,12 @@ def test_auto_picks_by_platform():
             attention.resolve("pallas", cfg, 16, jnp.bfloat16, **kw)
     with pytest.raises(InvalidRequest):
         attention.resolve("triton", cfg, 16, jnp.bfloat16)
-    # this machine is a CPU: auto means the reference, and `pallas` is refused
+    # this machine is a CPU: auto means the C++ decode kernel for float32 (the reference's layout),
+    # the reference for other dtypes, and `pallas` is refused
     assert jax.default_backend() == "cpu"
-    assert isinstance(attention.get("auto"), Reference)
-    assert attention.resolve("auto", cfg, 16, jnp.float32) == "reference"
+    assert isinstance(attention.get("auto"), CpuKernel) and isinstance(attention.get("auto"), Reference)
+    assert attention.resolve("auto", cfg, 16, jnp.float32) == "cpu"
+    assert attention.resolve("auto", cfg, 16, jnp.float32, tp=2) == "reference"
     with pytest.raises(InvalidRequest):
         attention.get("pallas")
 
@@ -292,7 +295,7 @@ def test_flag_reaches_the_model(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         parse_serve_args(["--attention-backend", "triton"])
     path = build_demo_generator(str(tmp_path / "demo"))
-    for plat, choice, want in (("cpu", "auto", "reference"), ("gpu", "auto", "pallas_gpu"),
+    for plat, choice, want in (("cpu", "auto", "cpu"), ("cpu", "reference", "reference"), ("gpu", "auto", "pallas_gpu"),
                                ("gpu", "reference", "reference")):
         monkeypatch.setattr(backend, "platform", lambda plat=plat: plat)
         engine = Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], max_running_requests=2,

@@ -16,7 +16,9 @@ from jax_engine.parity import prompt_logits
 from jax_engine.types import GenerateRequest, SamplingParams
 from tests import hf_models
 
-FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "llama_tied"]
+# on CPU the defaults run the C++ matmul and decode-attention kernels; "+xla" is the same model on
+# XLA's dot and the pure-JAX attention (the path of bfloat16, int8 and tensor parallelism)
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "llama_tied", "llama3+xla", "mistral+xla"]
 PROMPTS = [list(range(3, 40)), [7, 8, 9], list(range(100, 130)), [11] * 5 + list(range(200, 251))]
 
 
@@ -45,10 +47,14 @@ async def greedy_all(engine: Engine, prompts: list[list[int]], n: int, model: st
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp(request.param))
-    model = hf_models.build(request.param, path)
-    engine = Engine(small_args(models=[ModelSpec(name="m", path=path)]))
+    arch, _, variant = request.param.partition("+")
+    path = str(tmp_path_factory.mktemp(arch))
+    model = hf_models.build(arch, path)
+    kw = dict(cpu_matmul="xla", attention_backend="reference") if variant == "xla" else {}
+    engine = Engine(small_args(models=[ModelSpec(name="m", path=path)], **kw))
     engine.load_all(progress=False, warmup=False)
+    want = ("xla", "reference") if variant == "xla" else ("kernel", "cpu")
+    assert (engine._workers["m"].cfg.matmul, engine._workers["m"].cfg.attention_backend) == want
     yield request.param, model, engine
     engine.shutdown()
 

@@ -26,6 +26,14 @@ def is_converted(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
+def converted_quantize(path: str) -> str:
+    """The quantization a converted checkpoint was written with ("none" for an HF folder)."""
+    if not is_converted(path):
+        return "none"
+    with open(os.path.join(path, MARKER)) as f:
+        return str(json.load(f).get("quantize", "none"))
+
+
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in tree.items():

@@ -1,6 +1,7 @@
 """Attention backends: one module per kernel family, chosen by platform (DESIGN.md §5).
 
-  reference   pure JAX (gather through the page table, masked softmax); CPU, and the fallback anywhere
+  reference   pure JAX (gather through the page table, masked softmax); the fallback anywhere
+  cpu         the reference's layout and prefill, a C++ decode kernel (jax_engine/kernels/cpu.cc)
   pallas_gpu  jax.experimental.pallas.ops.gpu.paged_attention for decode, own Pallas flash kernel
               over the gathered pages for prefill (and for sliding-window decode)
   pallas_tpu  jax.experimental.pallas.ops.tpu.ragged_paged_attention for both
@@ -16,14 +17,14 @@ src, dst, page_size)`.
 `--attention-backend` through `resolve()`); the runner and `llama.forward` both ask `get()`.
 
 `--attention-backend` (EngineArgs.attention_backend): `auto` = TPU -> pallas_tpu, GPU ->
-pallas_gpu, CPU -> reference; `reference` forces the reference anywhere; `pallas` forces the
+pallas_gpu, CPU -> cpu (float32, tp 1, and the kernels built; else reference); `reference` forces the reference anywhere; `pallas` forces the
 platform's kernel and fails at start-up on CPU (interpret mode is for the tests only, far too slow
 to serve) or where the kernel does not support the model's shapes. The Pallas kernels are not
 wrapped in shard_map yet, so with tensor parallelism (tp > 1) `auto` picks the reference and
 `pallas` is refused: a kernel custom call inside a GSPMD-partitioned program would gather the
 whole KV cache onto every device.
 
-Names `get()` accepts beyond those: `pallas_gpu`, `pallas_tpu`, and any of them with
+Names `get()` accepts beyond those: `cpu`, `pallas_gpu`, `pallas_tpu`, and any of them with
 `:interpret` (Pallas interpret mode; tests run the kernels on CPU this way).
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _platform() -> str:
 
 
 def _by_platform(plat: str) -> str:
-    return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}.get(plat, "reference")
+    return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu",
+            "cpu": "cpu"}.get(plat, "reference")
 
 
 def resolve(choice: Optional[str], cfg: Any, page_size: int, dtype: Any, tp: int = 1,
@@ -59,10 +61,12 @@ def resolve(choice: Optional[str], cfg: Any, page_size: int, dtype: Any, tp: int
     plat = platform or _platform()
     name = _by_platform(plat)
     why = None
-    if name == "reference":
+    if choice == "pallas" and name in ("reference", "cpu"):
         why = f"no Pallas attention kernel for platform {plat!r} (Pallas interpret mode is for tests only)"
+    elif name == "reference":
+        why = f"no attention kernel for platform {plat!r}"
     elif tp > 1:
-        why = f"the Pallas kernels are not sharded for tensor parallelism yet (tp {tp})"
+        why = f"the attention kernels are not sharded for tensor parallelism yet (tp {tp})"
     else:
         why = get(name).unsupported(cfg, page_size, dtype)
     if why is None:
@@ -85,14 +89,20 @@ def get(name: Optional[str]) -> Any:
     if base in ("auto", "pallas"):
         plat = _platform()
         base = _by_platform(plat)
-        if base == "reference" and name.startswith("pallas"):
+        if base == "cpu" and name.startswith("pallas"):
             raise InvalidRequest(f"attention backend 'pallas' needs a GPU or TPU, not {plat!r}")
+        if base == "cpu":
+            from jax_engine.kernels import cpu as cpu_kernels
+            base = "cpu" if cpu_kernels.available() else "reference"
     key = f"{base}:{mode}"
     if key not in _CACHE:
         interpret = mode == "interpret"
         if base == "reference":
             from jax_engine.attention.reference import Reference
             be = Reference()
+        elif base == "cpu":
+            from jax_engine.attention.cpu import CpuKernel
+            be = CpuKernel()
         elif base == "pallas_gpu":
             from jax_engine.attention.pallas_gpu import PallasGPU
             be = PallasGPU(interpret=interpret)
@@ -100,6 +110,6 @@ def get(name: Optional[str]) -> Any:
             from jax_engine.attention.pallas_tpu import PallasTPU
             be = PallasTPU(interpret=interpret)
         else:
-            raise InvalidRequest(f"attention backend {name!r} is not known (reference, pallas_gpu, pallas_tpu)")
+            raise InvalidRequest(f"attention backend {name!r} is not known (reference, cpu, pallas_gpu, pallas_tpu)")
         _CACHE[key] = be
     return _CACHE[key]

@@ -11,6 +11,8 @@ Weight layout (chosen for fused matmuls and clean tensor-parallel sharding):
   gate_up [L, H, 2, I]       column-parallel over I
   down  [L, I, H]            row-parallel over I
 Linear weights are either arrays or {"q": int8, "s": per-output-channel scale} (weight-only int8).
+With cfg.matmul == "kernel" (CPU) the four layer matrices and the LM head are instead packed into
+64-column panels [L, P, K, 64] by `pack_for_kernel`, for jax_engine/kernels/cpu_kernels.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from jax_engine import attention
 from jax_engine.errors import InvalidRequest
+from jax_engine.kernels import cpu as cpu_kernels
 from jax_engine.models.registry import DECODERS, architecture_of
 
 Params = dict[str, Any]
@@ -54,6 +57,9 @@ class LlamaConfig:
     kv_repeat: int = 1                    # KV heads replicated this many times (TP > KV heads)
     # jax_engine/attention backend; the served path sets it from --attention-backend (attention.resolve)
     attention_backend: str = "reference"
+    # "xla": einsum over the layouts above; "kernel": packed [L, P, K, 64] weights and the CPU
+    # custom call (jax_engine/kernels/cpu_kernels.py); the served path sets it from --cpu-matmul
+    matmul: str = "xla"
 
     @property
     def group(self) -> int:
@@ -172,10 +178,24 @@ def forward(
     attn = attention.get(cfg.attention_backend)
     meta = attn.prepare(cfg, inp, page_size)                         # masks / kernel metadata, once per step
 
+    kernel = cfg.matmul == "kernel"
+    layers = params["layers"]
+    # the kernel takes each stacked matrix whole plus the layer index (no per-layer slice copy);
+    # the scan then runs over the small per-layer tensors only
+    big = {k: layers[k] for k in PACKED} if kernel else {}
+    xs = {k: v for k, v in layers.items() if k not in big}
+    kvh_r = cfg.num_kv_heads * cfg.kv_repeat
+
+    def mm(name, lp, li, v, spec, k_dims, out_tail):
+        """One layer matmul; out_tail (the unsharded output dims) is what the kernel path needs."""
+        if kernel:
+            return cpu_kernels.linear(v, big[name], li, k_dims, out_tail).astype(v.dtype)
+        return linear(v, lp[name], spec)
+
     def layer(carry, lp):
         x, kc, vc, li = carry
         h = rms_norm(x, lp["ln1"], cfg.rms_eps)
-        qkv = linear(h, lp["qkv"], "bth,hkgd->btkgd")                 # [B, Tq, KVH, G+2, D]
+        qkv = mm("qkv", lp, li, h, "bth,hkgd->btkgd", 1, (kvh_r, G + 2, cfg.head_dim))   # [B, Tq, KVH, G+2, D]
         if cfg.qkv_bias:
             qkv = qkv + lp["qkv_b"].astype(qkv.dtype)
         q, k, v = qkv[..., :G, :], qkv[..., G, :], qkv[..., G + 1, :]
@@ -186,21 +206,42 @@ def forward(
         k = rope(k, q_pos, inv_freq, cfg.rope_attention_factor)
         kc, vc = attn.write(kc, vc, li, k, v, meta)
         a = attn.attend(q, kc, vc, li, meta).astype(x.dtype)         # [B, Tq, KVH, G, D]
-        x = x + linear(a, lp["o"], "btkgd,kgdh->bth")
+        x = x + mm("o", lp, li, a, "btkgd,kgdh->bth", 3, (cfg.hidden_size,))
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
-        gu = linear(h, lp["gate_up"], "bth,hci->btci")
-        x = x + linear(jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], lp["down"], "bti,ih->bth")
+        gu = mm("gate_up", lp, li, h, "bth,hci->btci", 1, (2, cfg.intermediate_size))
+        x = x + mm("down", lp, li, jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], "bti,ih->bth", 1, (cfg.hidden_size,))
         return (x, kc, vc, li + 1), None
 
-    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, (x, k_cache, v_cache, jnp.int32(0)), params["layers"])
+    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, (x, k_cache, v_cache, jnp.int32(0)), xs,
+                                               length=cfg.num_layers)
     return rms_norm(x, params["final_norm"], cfg.rms_eps), k_cache, v_cache
 
 
 def lm_head(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
     """Logits in float32 for hidden states [..., H]."""
+    if cfg.matmul == "kernel":
+        return cpu_kernels.linear(h, params["lm_head"], 0, 1, (cfg.vocab_size,))
     if cfg.tie_embeddings:
         return jnp.einsum("...h,vh->...v", h, params["embed"], preferred_element_type=jnp.float32)
     w = params["lm_head"]
     if isinstance(w, dict):     # int8: scale the float32 accumulator, no rounding to the activation dtype
         return jnp.einsum("...h,hv->...v", h, w["q"].astype(h.dtype), preferred_element_type=jnp.float32) * w["s"]
     return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+PACKED = ("qkv", "o", "gate_up", "down")
+_K_DIMS = {"qkv": 1, "o": 3, "gate_up": 1, "down": 1}
+
+
+def pack_for_kernel(params: Params, cfg: LlamaConfig) -> Params:
+    """The layer matrices and the LM head (for tied embeddings, a packed copy of embed^T) in the
+    kernel's panel layout; everything else unchanged. The unpacked matrices are dropped."""
+    if cfg.matmul != "kernel":
+        return params
+    out = dict(params)
+    out["layers"] = dict(params["layers"])
+    for name in PACKED:
+        out["layers"][name] = cpu_kernels.pack(params["layers"][name], _K_DIMS[name], stacked=True)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    out["lm_head"] = cpu_kernels.pack(head, 1, stacked=False)
+    return out

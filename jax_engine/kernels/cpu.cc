@@ -1,0 +1,306 @@
+// CPU kernels behind XLA FFI custom calls (built and registered by cpu.py).
+//
+// 1. XlaserveGemmF32: small-M float32 GEMM for decode steps, y[M, N] = x[M, K] @ w[layer][K, N].
+// Why: at decode, M (rows in the batch) is 1..64 while the weights are megabytes, so the
+// matmul is a stream over the weights. XLA:CPU's dot repacks the weight panel for every call
+// and reaches ~10-20 GB/s at M = 16; this kernel reads each weight once, straight from its
+// row-major layout, keeping all M rows' accumulators in registers, and stays near the
+// memory bandwidth for any M up to the limit the caller sets.
+//
+// The weight operand may be a stack of layers [L, K, N] with a layer index, so a layer scan
+// can pass its loop-invariant stacked weights without XLA materialising a per-layer slice.
+// Work is split into 64-column tiles claimed from an atomic counter by the calling thread and
+// by tasks on XLA's own intra-op thread pool; the caller only waits for tiles already being
+// computed, so a late or never-run task cannot deadlock it.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#include <cmath>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using Panels = ffi::Buffer<ffi::F32, 4>;   // [L, P, K, 64]
+using Rank4 = ffi::Buffer<ffi::F32, 4>;
+using I32x2 = ffi::Buffer<ffi::S32, 2>;
+using I32x1 = ffi::Buffer<ffi::S32, 1>;
+using I32x0 = ffi::Buffer<ffi::S32, 0>;
+using Out4 = ffi::ResultBuffer<ffi::F32, 4>;
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+constexpr int kTile = 64;   // columns per tile: 4 vectors of 16 floats
+constexpr int kVec = kTile / 16;
+
+// y[m0:m0+MR, tile] (+)= x[m0:m0+MR, k0:k1] @ panel[k0:k1, :]; the panel is 64 columns, row-major.
+template <int MR>
+inline void micro(const float* x, const float* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
+                  int64_t k0, int64_t k1, bool first) {
+  v16 acc[MR][kVec];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVec; ++v) acc[m][v] = first ? v16{} : load16(y + (m0 + m) * ldy + 16 * v);
+  const float* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * K;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* row = panel + k * kTile;
+    v16 wv[kVec];
+    for (int v = 0; v < kVec; ++v) wv[v] = load16(row + 16 * v);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = xr[m][k];
+      for (int v = 0; v < kVec; ++v) acc[m][v] += wv[v] * xv;
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVec; ++v) store16(y + (m0 + m) * ldy + 16 * v, acc[m][v]);
+}
+
+constexpr int64_t kKc = 128;   // K rows per pass over the M blocks: 32 KiB of panel stays in L1
+
+// One panel (64 output columns) for all M rows into a [M, 64] scratch.
+inline void do_panel(const float* x, const float* panel, float* out, int64_t ldo, int64_t M, int64_t K) {
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
+    const bool first = k0 == 0;
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) micro<6>(x, panel, out, K, ldo, m, k0, k1, first);
+    switch (M - m) {
+      case 5: micro<5>(x, panel, out, K, ldo, m, k0, k1, first); break;
+      case 4: micro<4>(x, panel, out, K, ldo, m, k0, k1, first); break;
+      case 3: micro<3>(x, panel, out, K, ldo, m, k0, k1, first); break;
+      case 2: micro<2>(x, panel, out, K, ldo, m, k0, k1, first); break;
+      case 1: micro<1>(x, panel, out, K, ldo, m, k0, k1, first); break;
+      default: break;
+    }
+  }
+}
+
+// Runs fn(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Items are claimed
+// from an atomic counter; the caller waits only for items already claimed, so a task that starts
+// late (or runs inline) never blocks it.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, bool inline_only = false) {
+  struct Shared {
+    F fn; int64_t n, per_claim;
+    std::atomic<int64_t> next{0}, done{0};
+    Shared(F f, int64_t n_, int64_t c) : fn(std::move(f)), n(n_), per_claim(c) {}
+    void work() {
+      for (;;) {
+        const int64_t i0 = next.fetch_add(per_claim, std::memory_order_relaxed);
+        if (i0 >= n) return;
+        const int64_t i1 = std::min(i0 + per_claim, n);
+        for (int64_t i = i0; i < i1; ++i) fn(i);
+        done.fetch_add(i1 - i0, std::memory_order_release);
+      }
+    }
+  };
+  if (n <= 0) return;
+  if (inline_only) {   // too little work to pay for waking pool threads
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  auto sh = std::make_shared<Shared>(std::move(fn), n, std::max<int64_t>(per_claim, 1));
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t helpers = std::min<int64_t>(threads, (n + sh->per_claim - 1) / sh->per_claim - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { sh->work(); });
+  sh->work();
+  while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// x [M, K]; w [L, P, K, 64] (P panels of 64 columns, the last zero-padded); layer [] int32;
+// y [M, N] with 64 (P - 1) < N <= 64 P.
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || wd[3] != kTile)
+    return ffi::Error::InvalidArgument("xlaserve_gemm: x must be [M, K], w [L, P, K, 64], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], L = wd[0], P = wd[1], N = yd[1];
+  if (wd[2] != K || yd[0] != M || N > P * kTile || N <= (P - 1) * kTile)
+    return ffi::Error::InvalidArgument("xlaserve_gemm: operand shapes do not agree");
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm: layer index out of range");
+  if (M == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const float* wl = w.typed_data() + li * P * K * kTile;
+  float* yp = y->typed_data();
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  parallel_for(pool, P, P / (4 * threads), [=](int64_t t) {
+    const float* panel = wl + t * K * kTile;
+    const int64_t n0 = t * kTile;
+    if (n0 + kTile <= N) { do_panel(xp, panel, yp + n0, N, M, K); return; }
+    std::vector<float> scratch(M * kTile);   // the ragged last panel: compute 64 columns, keep N - n0
+    do_panel(xp, panel, scratch.data(), kTile, M, K);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(yp + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
+  });
+  return ffi::Error::Success();
+}
+
+// 2. XlaserveDecodeAttentionF32: one query token per row against its own pages of the KV cache.
+// Why: the pure-JAX attention gathers every row's whole page bucket into a new [B, S, KVH, D]
+// array per layer and runs tiny batched dots over it; this reads only the row's valid keys, in
+// place, once. Semantics equal jax_engine/attention/reference.py for Tq = 1: keys at positions
+// s <= pos, s < kv_len and (window > 0) s > pos - window; a row with no valid key gives zeros.
+typedef int v16i __attribute__((vector_size(64)));
+
+// Tree sum of the 16 lanes (4 shuffles + 4 adds instead of a 15-add chain).
+inline float hsum(v16 v) {
+  v += __builtin_shuffle(v, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, v16i{4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
+  v += __builtin_shuffle(v, v16i{2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+  v += __builtin_shuffle(v, v16i{1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+  return v[0];
+}
+
+// exp on 16 lanes: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two constants),
+// p the degree-7 Taylor polynomial of e^r on |r| <= ln(2)/2 (relative error ~1e-7). x is clamped
+// to [-87, 88]: exp of a masked score (-1e30) gives ~1e-38 where expf gives 0.
+inline v16 vexp(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  const v16 t = x * 1.44269504088896341f;
+  const v16i ni = __builtin_convertvector(t + (t >= 0.0f ? v16{} + 0.5f : v16{} - 0.5f), v16i);
+  const v16 n = __builtin_convertvector(ni, v16);
+  const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  v16 p = v16{} + 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16i bits = (ni + 127) << 23;                 // 2^n as a float's bit pattern
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  v16 acc = v16{};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) acc += load16(a + d) * load16(b + d);
+  float s = hsum(acc);
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t D) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) store16(y + d, load16(y + d) + load16(x + d) * a);
+  for (; d < D; ++d) y[d] += a * x[d];
+}
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, Rank4 q, Rank4 kc, Rank4 vc, I32x2 page_table, I32x1 kv_lens, I32x1 positions, I32x0 layer, int64_t page_size, int64_t window, float scale,
+                               Out4 out) {
+  // q, out [B, KVH, G, D]; kc, vc [L, slots, KVH, D]; page_table [B, P]
+  const auto qd = q.dimensions();
+  const auto cd = kc.dimensions();
+  const int64_t B = qd[0], H = qd[1], G = qd[2], D = qd[3];
+  const int64_t L = cd[0], slots = cd[1], P = page_table.dimensions()[1];
+  if (cd[2] != H || cd[3] != D || vc.dimensions()[1] != slots || page_table.dimensions()[0] != B ||
+      kv_lens.dimensions()[0] != B || positions.dimensions()[0] != B || page_size <= 0)
+    return ffi::Error::InvalidArgument("xlaserve_decode_attention: operand shapes do not agree");
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_decode_attention: layer index out of range");
+  const float* qp = q.typed_data();
+  const float* kl = kc.typed_data() + li * slots * H * D;
+  const float* vl = vc.typed_data() + li * slots * H * D;
+  const int32_t* pt = page_table.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* pos = positions.typed_data();
+  float* op = out->typed_data();
+  const int64_t cap = P * page_size;
+  // one item = one row's heads [h0, h1): a key slot's heads are contiguous (H * D floats), so an
+  // item streams whole slots; rows are split over heads only when there are too few rows to share
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  int64_t keys = 0;
+  for (int64_t b = 0; b < B; ++b) keys += std::max<int64_t>(0, std::min<int64_t>(lens[b], cap));
+  const bool small = keys * H * D < (int64_t{1} << 17);   // < 512 KiB of K: one thread
+  const int64_t split = small ? 1 : std::min<int64_t>(H, std::max<int64_t>(1, (2 * threads + B - 1) / B));
+  const int64_t hstep = (H + split - 1) / split;
+  parallel_for(pool, B * split, 1, [=](int64_t item) {
+    const int64_t b = item / split;
+    const int64_t h0 = (item % split) * hstep, h1 = std::min(H, h0 + hstep);
+    if (h0 >= h1) return;
+    const int64_t nh = h1 - h0;
+    float* ob = op + (b * H + h0) * G * D;
+    std::fill(ob, ob + nh * G * D, 0.f);
+    const int64_t hi = std::min<int64_t>({static_cast<int64_t>(lens[b]), static_cast<int64_t>(pos[b]) + 1, cap});
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[b] - window + 1) : 0;
+    if (hi <= lo) return;
+    const int64_t n = hi - lo, rows = nh * G;
+    const float* qb = qp + (b * H + h0) * G * D;        // [nh, G, D]
+    std::vector<float> s(rows * n);                     // scores [nh * G, n]
+    std::vector<int64_t> slot_of(n);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t p = lo + j;
+      const int64_t slot = static_cast<int64_t>(pt[b * P + p / page_size]) * page_size + p % page_size;
+      slot_of[j] = (slot < 0 || slot >= slots) ? -1 : slot;   // -1 only with a corrupt page table
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (slot_of[j] < 0) { for (int64_t r = 0; r < rows; ++r) s[r * n + j] = -1e30f; continue; }
+      const float* kr = kl + (slot_of[j] * H + h0) * D;  // [nh, D] contiguous
+      for (int64_t hh = 0; hh < nh; ++hh)
+        for (int64_t g = 0; g < G; ++g) s[(hh * G + g) * n + j] = dot(qb + (hh * G + g) * D, kr + hh * D, D) * scale;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s.data() + r * n;
+      float mx = sr[0];
+      for (int64_t j = 1; j < n; ++j) mx = std::max(mx, sr[j]);
+      float sum = 0.f;
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) {
+        const v16 e = vexp(load16(sr + j) - mx);
+        store16(sr + j, e);
+        sum += hsum(e);
+      }
+      for (; j < n; ++j) { sr[j] = std::exp(sr[j] - mx); sum += sr[j]; }
+      const float inv = 1.f / sum;
+      for (j = 0; j < n; ++j) sr[j] *= inv;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (slot_of[j] < 0) continue;
+      const float* vr = vl + (slot_of[j] * H + h0) * D;
+      for (int64_t hh = 0; hh < nh; ++hh)
+        for (int64_t g = 0; g < G; ++g) axpy(ob + (hh * G + g) * D, s[(hh * G + g) * n + j], vr + hh * D, D);
+    }
+  }, small);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmF32, GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<Panels>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeAttentionF32, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rank4>()
+                                  .Arg<Rank4>()
+                                  .Arg<Rank4>()
+                                  .Arg<I32x2>()
+                                  .Arg<I32x1>()
+                                  .Arg<I32x1>()
+                                  .Arg<I32x0>()
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Ret<Rank4>());

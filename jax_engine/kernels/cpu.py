@@ -1,0 +1,217 @@
+"""CPU kernels (cpu.cc) behind XLA FFI custom calls: the decode matmul and decode attention.
+
+Matmul, why: XLA:CPU's dot repacks the weight panel on every call and reached only 10-20 GB/s at the
+decode shapes (M = 1..64 rows against megabytes of weights). The kernel reads weights that were
+packed once at load time into 64-column panels ([L, P, K, 64], see `pack`) and keeps every row's
+accumulators in registers; a stacked [L, ...] weight is passed whole with a layer index, so the
+layer scan does not slice (copy) it. Decode attention: see jax_engine/attention/cpu.py.
+
+The kernel is compiled here with the machine's C++ compiler (-O3 -march=native) on first use and
+cached under $XDG_CACHE_HOME/xlaserve/kernels, keyed by the source, the jaxlib headers, the
+compiler and this CPU's flags. No compiler (or a failed build) means `available()` is False with a
+reason, and `--cpu-matmul auto` falls back to XLA's dot.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("xlaserve.kernels")
+
+PANEL = 64                       # output columns per panel (4 AVX-512 vectors); must match cpu.cc
+TARGET = "xlaserve_cpu_gemm_f32"
+ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
+_lock = threading.Lock()
+_state: dict[str, Any] = {}      # "ok": bool, "reason": str, "lib": CDLL
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> Optional[str]:
+    for cand in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "xlaserve", "kernels")
+
+
+def _build() -> str:
+    """Path of the compiled library, building it if this machine has not yet."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
+    include = jax.ffi.include_dir()
+    if not os.path.exists(os.path.join(include, "xla", "ffi", "api", "ffi.h")):
+        raise RuntimeError(f"jaxlib ships no XLA FFI headers under {include}")
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    with open(_SOURCE, "rb") as f:
+        src = f.read()
+    cxx_version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(b"\0".join([
+        src, jax.__version__.encode(), jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b"",
+        include.encode(), cxx_version.encode(), _cpu_flags().encode(), " ".join(flags).encode(),
+    ])).hexdigest()[:16]
+    out = os.path.join(_cache_dir(), f"cpu-{key}.so")
+    if os.path.exists(out):
+        return out
+    os.makedirs(_cache_dir(), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+    os.close(fd)
+    try:
+        r = subprocess.run([cxx, *flags, "-I", include, _SOURCE, "-o", tmp], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(cxx)} failed: {r.stderr.strip()[-600:]}")
+        os.replace(tmp, out)          # atomic: processes building at once never load a partial file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def available() -> bool:
+    """Build (once), load and register the kernel; False (with `reason()`) if that is impossible."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        try:
+            if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+                raise RuntimeError(f"untested CPU architecture {platform.machine()}")
+            lib = ctypes.cdll.LoadLibrary(_build())
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveGemmF32), platform="cpu")
+            jax.ffi.register_ffi_target(ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveDecodeAttentionF32), platform="cpu")
+            _state.update(ok=True, reason="", lib=lib)
+        except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot instead
+            _state.update(ok=False, reason=str(e) or type(e).__name__)
+            log.warning("CPU matmul kernel unavailable, using XLA's dot: %s", _state["reason"])
+        return _state["ok"]
+
+
+def reason() -> str:
+    return _state.get("reason", "not built yet")
+
+
+def _require() -> None:
+    """Trace-time check that the custom-call targets are registered in this process."""
+    if not available():
+        raise RuntimeError(f"CPU kernels unavailable: {reason()}")
+
+
+# --------------------------------------------------------------------------- layout
+def num_panels(n: int) -> int:
+    return -(-n // PANEL)
+
+
+def pack(w: jax.Array, k_dims: int, stacked: bool) -> jax.Array:
+    """[L?, K..., N...] (k_dims contraction dims after the optional layer axis) -> [L, P, K, 64],
+    the output axis zero-padded to whole panels. Runs as one jitted program per weight."""
+    lead = 1 if stacked else 0
+    K = math.prod(w.shape[lead:lead + k_dims])
+    N = math.prod(w.shape[lead + k_dims:])
+    P = num_panels(N)
+
+    @jax.jit
+    def _pack(a):
+        a = a.reshape((a.shape[0] if stacked else 1, K, N)).astype(jnp.float32)
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, P * PANEL - N)))
+        return a.reshape(a.shape[0], K, P, PANEL).transpose(0, 2, 1, 3)
+
+    return _pack(w)
+
+
+def gemm(x: jax.Array, w: jax.Array, layer: Any, n: int) -> jax.Array:
+    """x [M, K] float32 @ w[layer] (packed [L, P, K, 64]) -> [M, n] float32."""
+    _require()
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(()))
+
+
+def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...]) -> jax.Array:
+    """The packed-weight counterpart of an einsum contracting x's last k_dims axes: returns
+    x.shape[:-k_dims] + out_tail in float32."""
+    lead = x.shape[:x.ndim - k_dims]
+    K = math.prod(x.shape[x.ndim - k_dims:])
+    n = math.prod(out_tail)
+    if w.shape[2] != K or num_panels(n) != w.shape[1]:
+        raise ValueError(f"packed weight {w.shape} does not fit input {x.shape} -> {out_tail}")
+    y = gemm(x.reshape(-1, K), w, layer, n)
+    return y.reshape(lead + tuple(out_tail))
+
+
+def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
+                     positions: jax.Array, layer: Any, *, page_size: int, window: int, scale: float) -> jax.Array:
+    """q [B, KVH, G, D] against layer `layer` of caches [L, slots, KVH, D] through page_table
+    [B, P]; keys s <= positions[b], s < kv_lens[b] (and s > positions[b] - window if window > 0).
+    Returns [B, KVH, G, D] float32; rows with no valid key are zeros."""
+    _require()
+    i32 = lambda a: jnp.asarray(a, jnp.int32)
+    return jax.ffi.ffi_call(ATTN_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), kc, vc, i32(page_table), i32(kv_lens), i32(positions), i32(layer).reshape(()),
+        page_size=int(page_size), window=int(window), scale=np.float32(scale))
+
+
+def reference_gemm(x: np.ndarray, w_packed: np.ndarray, layer: int, n: int) -> np.ndarray:
+    """NumPy meaning of `gemm` (for tests): unpack the layer's panels and multiply."""
+    _, P, K, _ = w_packed.shape
+    w = np.asarray(w_packed[layer]).transpose(1, 0, 2).reshape(K, P * PANEL)[:, :n]
+    return np.asarray(x, np.float64) @ w.astype(np.float64)
+
+
+# --------------------------------------------------------------------------- choice
+CHOICES = ("auto", "xla", "kernel")
+
+
+def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
+    """--cpu-matmul: 'kernel' or 'xla' for a decoder. auto = the kernel wherever it applies
+    (CPU, float32, unquantized, tp 1) and builds; asking for 'kernel' where it cannot run is an
+    error rather than a silent fallback."""
+    from jax_engine.errors import InvalidRequest
+
+    if choice not in CHOICES:
+        raise InvalidRequest(f"--cpu-matmul {choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "xla":
+        return "xla"
+    why = None
+    if plat != "cpu":
+        why = f"it is a CPU kernel and the platform is {plat}"
+    elif jnp.dtype(dtype) != jnp.float32:
+        why = f"it is float32 only (dtype {jnp.dtype(dtype).name})"
+    elif quantize != "none":
+        why = f"it has no {quantize} weights"
+    elif tp != 1:
+        why = f"it is not sharded for tensor parallelism (tp {tp})"
+    elif not available():
+        why = reason()
+    if why is None:
+        log.info("decoder matmuls: packed-panel CPU kernel")
+        return "kernel"
+    if choice == "kernel":
+        raise InvalidRequest(f"--cpu-matmul kernel: {why}; use auto or xla")
+    log.info("decoder matmuls: XLA dot (%s)", why)
+    return "xla"
