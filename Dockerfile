@@ -18,6 +18,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# g++ builds the CPU kernels (jax_engine/kernels/cpu.cc) on first use, for the CPU the container
+# runs on (-march=native); without it the server falls back to XLA's dot, about 2x slower decoding.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin xlaserve
 
 WORKDIR /opt/xlaserve
