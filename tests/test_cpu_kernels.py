@@ -44,6 +44,25 @@ def test_gemm_matches_numpy(M, K_, N, L):
         np.testing.assert_allclose(K.reference_gemm(x, np.asarray(packed), li, N), want, rtol=1e-6, atol=1e-5)
 
 
+def test_int8_gemm_matches_numpy():
+    from jax_engine.models.llama_weights import quantize_int8
+
+    rng = np.random.default_rng(11)
+    L, K_, N = 2, 96, 200
+    w = rng.standard_normal((L, K_, N), dtype=np.float32)
+    q, s = zip(*(quantize_int8(w[i], (0,)) for i in range(L)))            # per-output-column scales [1, N]
+    weight = {"q": jnp.asarray(np.stack(q)), "s": jnp.asarray(np.stack(s))}
+    packed = K.pack(weight, 1, stacked=True)
+    assert packed["q"].dtype == jnp.int8 and packed["s"].shape == (L, K.num_panels(N) * K.PANEL)
+    for M in (1, 7, 16):
+        x = rng.standard_normal((M, K_), dtype=np.float32)
+        for li in range(L):
+            got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(jnp.asarray(x), packed))
+            want = x.astype(np.float64) @ (np.stack(q)[li].astype(np.float64) * np.stack(s)[li])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(K.reference_gemm(x, packed, li, N), want, rtol=1e-6, atol=1e-5)
+
+
 def test_linear_keeps_structured_shapes():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((2, 4, 3, 8, 24), dtype=np.float32)            # [L, KVH, G, D, H], 3 contraction dims
@@ -109,9 +128,10 @@ def test_prefill_chunks_keep_the_reference_math():
 
 def test_resolve_rules():
     assert K.resolve("auto", "cpu", jnp.float32, "none", 1) == "kernel"
+    assert K.resolve("auto", "cpu", jnp.float32, "int8", 1) == "kernel"
     assert K.resolve("xla", "cpu", jnp.float32, "none", 1) == "xla"
     for plat, dt, quant, tp in (("gpu", jnp.float32, "none", 1), ("cpu", jnp.bfloat16, "none", 1),
-                                ("cpu", jnp.float32, "int8", 1), ("cpu", jnp.float32, "none", 2)):
+                                ("cpu", jnp.float32, "int4", 1), ("cpu", jnp.float32, "none", 2)):
         assert K.resolve("auto", plat, dt, quant, tp) == "xla"
         with pytest.raises(InvalidRequest, match="--cpu-matmul kernel"):
             K.resolve("kernel", plat, dt, quant, tp)

@@ -27,8 +27,8 @@ def src(tmp_path_factory):
     return path, model
 
 
-def _logits(path: str, **spec) -> np.ndarray:
-    w = GenerateWorker(ModelSpec(name="m", path=path, **spec), small_args())
+def _logits(path: str, engine_kw: dict = None, **spec) -> np.ndarray:
+    w = GenerateWorker(ModelSpec(name="m", path=path, **spec), small_args(**(engine_kw or {})))
     return engine_logits(w, PROMPTS[0])
 
 
@@ -53,6 +53,9 @@ def test_converted_checkpoints_load_and_match(src, tmp_path):
     assert err_i8 < 0.02, f"int8 max abs logit error {err_i8}"
     # quantizing at load from the HF folder gives the same result as the converted int8 file
     assert np.allclose(_logits(path, quantize="int8"), ours_i8, atol=1e-6)
+    # int8 through the CPU kernel (the default here) equals int8 through XLA's dot
+    xla_i8 = _logits(i8, engine_kw=dict(cpu_matmul="xla", attention_backend="reference"))
+    assert np.max(np.abs(xla_i8 - ours_i8)) < 1e-4
     with open(os.path.join(i8, "xlaserve_checkpoint.json")) as f:
         assert json.load(f)["quantize"] == "int8"
     # the tokenizer and config travel with the checkpoint

@@ -19,6 +19,10 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <type_traits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cmath>
 
 #include "xla/ffi/api/ffi.h"
@@ -28,6 +32,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 using Panels = ffi::Buffer<ffi::F32, 4>;   // [L, P, K, 64]
+using PanelsI8 = ffi::Buffer<ffi::S8, 4>;
+using Scales = ffi::Buffer<ffi::F32, 2>;   // [L, 64 P]
 using Rank4 = ffi::Buffer<ffi::F32, 4>;
 using I32x2 = ffi::Buffer<ffi::S32, 2>;
 using I32x1 = ffi::Buffer<ffi::S32, 1>;
@@ -39,12 +45,28 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
+// 16 weights as floats: float32 as stored; int8 widened (the per-column scale is applied once,
+// after the K loop, so int8 costs a convert per weight and a quarter of the memory traffic)
+inline v16 load_w(const float* p) { return load16(p); }
+inline v16 load_w(const int8_t* p) {
+#ifdef __AVX512F__
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  v16 v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
 constexpr int kTile = 64;   // columns per tile: 4 vectors of 16 floats
 constexpr int kVec = kTile / 16;
 
 // y[m0:m0+MR, tile] (+)= x[m0:m0+MR, k0:k1] @ panel[k0:k1, :]; the panel is 64 columns, row-major.
-template <int MR>
-inline void micro(const float* x, const float* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
+template <int MR, typename W = float>
+inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
                   int64_t k0, int64_t k1, bool first) {
   v16 acc[MR][kVec];
   for (int m = 0; m < MR; ++m)
@@ -52,9 +74,9 @@ inline void micro(const float* x, const float* panel, float* y, int64_t K, int64
   const float* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * K;
   for (int64_t k = k0; k < k1; ++k) {
-    const float* row = panel + k * kTile;
+    const W* row = panel + k * kTile;
     v16 wv[kVec];
-    for (int v = 0; v < kVec; ++v) wv[v] = load16(row + 16 * v);
+    for (int v = 0; v < kVec; ++v) wv[v] = load_w(row + 16 * v);
     for (int m = 0; m < MR; ++m) {
       const float xv = xr[m][k];
       for (int v = 0; v < kVec; ++v) acc[m][v] += wv[v] * xv;
@@ -67,20 +89,46 @@ inline void micro(const float* x, const float* panel, float* y, int64_t K, int64
 constexpr int64_t kKc = 128;   // K rows per pass over the M blocks: 32 KiB of panel stays in L1
 
 // One panel (64 output columns) for all M rows into a [M, 64] scratch.
-inline void do_panel(const float* x, const float* panel, float* out, int64_t ldo, int64_t M, int64_t K) {
+// scale (64 floats, or null for float32 weights) multiplies each output column at the end.
+template <typename W>
+inline void do_panel(const float* x, const W* panel, const float* scale, float* out, int64_t ldo, int64_t M, int64_t K) {
+  alignas(64) float buf[std::is_same_v<W, float> ? 1 : kKc * kTile];
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
     const bool first = k0 == 0;
+    // the micro-kernel reads float rows; int8 chunks are widened once into an L1-resident buffer
+    // and then shared by every block of rows (prefill has thousands)
+    const float* p;
+    if constexpr (std::is_same_v<W, float>) {
+      p = panel + k0 * kTile;
+    } else if (M <= 6) {      // one block of rows: widen in registers, no buffer round trip
+      switch (M) {
+        case 6: micro<6, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
+        case 5: micro<5, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
+        case 4: micro<4, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
+        case 3: micro<3, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
+        case 2: micro<2, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
+        default: micro<1, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
+      }
+      continue;
+    } else {
+      for (int64_t i = 0; i < (k1 - k0) * kTile; i += 16) store16(buf + i, load_w(panel + k0 * kTile + i));
+      p = buf;
+    }
     int64_t m = 0;
-    for (; m + 6 <= M; m += 6) micro<6>(x, panel, out, K, ldo, m, k0, k1, first);
+    for (; m + 6 <= M; m += 6) micro<6>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first);
     switch (M - m) {
-      case 5: micro<5>(x, panel, out, K, ldo, m, k0, k1, first); break;
-      case 4: micro<4>(x, panel, out, K, ldo, m, k0, k1, first); break;
-      case 3: micro<3>(x, panel, out, K, ldo, m, k0, k1, first); break;
-      case 2: micro<2>(x, panel, out, K, ldo, m, k0, k1, first); break;
-      case 1: micro<1>(x, panel, out, K, ldo, m, k0, k1, first); break;
+      case 5: micro<5>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
+      case 4: micro<4>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
+      case 3: micro<3>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
+      case 2: micro<2>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
+      case 1: micro<1>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
       default: break;
     }
+  }
+  if (scale != nullptr) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int v = 0; v < kVec; ++v) store16(out + m * ldo + 16 * v, load16(out + m * ldo + 16 * v) * load16(scale + 16 * v));
   }
 }
 
@@ -117,34 +165,58 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, boo
 }
 
 // x [M, K]; w [L, P, K, 64] (P panels of 64 columns, the last zero-padded); layer [] int32;
-// y [M, N] with 64 (P - 1) < N <= 64 P.
-ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
-                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+// y [M, N] with 64 (P - 1) < N <= 64 P; int8 weights also take scale [L, 64 P] per column.
+template <typename W>
+ffi::Error gemm(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* sp, int64_t M, int64_t K,
+                int64_t L, int64_t P, int64_t N, int64_t li, float* yp) {
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm: layer index out of range");
+  if (M == 0) return ffi::Error::Success();
+  const W* wl = wp + li * P * K * kTile;
+  const float* sl = sp ? sp + li * P * kTile : nullptr;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  parallel_for(pool, P, P / (4 * threads), [=](int64_t t) {
+    const W* panel = wl + t * K * kTile;
+    const float* sc = sl ? sl + t * kTile : nullptr;
+    const int64_t n0 = t * kTile;
+    if (n0 + kTile <= N) { do_panel(xp, panel, sc, yp + n0, N, M, K); return; }
+    std::vector<float> scratch(M * kTile);   // the ragged last panel: compute 64 columns, keep N - n0
+    do_panel(xp, panel, sc, scratch.data(), kTile, M, K);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(yp + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
+  });
+  return ffi::Error::Success();
+}
+
+template <typename WBuf, typename Y>
+ffi::Error check(const ffi::Buffer<ffi::F32>& x, const WBuf& w, Y& y,
+                 int64_t& M, int64_t& K, int64_t& L, int64_t& P, int64_t& N) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || wd[3] != kTile)
     return ffi::Error::InvalidArgument("xlaserve_gemm: x must be [M, K], w [L, P, K, 64], y [M, N]");
-  const int64_t M = xd[0], K = xd[1], L = wd[0], P = wd[1], N = yd[1];
+  M = xd[0]; K = xd[1]; L = wd[0]; P = wd[1]; N = yd[1];
   if (wd[2] != K || yd[0] != M || N > P * kTile || N <= (P - 1) * kTile)
     return ffi::Error::InvalidArgument("xlaserve_gemm: operand shapes do not agree");
-  const int64_t li = layer.typed_data()[0];
-  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm: layer index out of range");
-  if (M == 0) return ffi::Error::Success();
-  const float* xp = x.typed_data();
-  const float* wl = w.typed_data() + li * P * K * kTile;
-  float* yp = y->typed_data();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  parallel_for(pool, P, P / (4 * threads), [=](int64_t t) {
-    const float* panel = wl + t * K * kTile;
-    const int64_t n0 = t * kTile;
-    if (n0 + kTile <= N) { do_panel(xp, panel, yp + n0, N, M, K); return; }
-    std::vector<float> scratch(M * kTile);   // the ragged last panel: compute 64 columns, keep N - n0
-    do_panel(xp, panel, scratch.data(), kTile, M, K);
-    for (int64_t m = 0; m < M; ++m)
-      std::memcpy(yp + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
-  });
   return ffi::Error::Success();
+}
+
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t M, K, L, P, N;
+  if (auto e = check(x, w, y, M, K, L, P, N); e.failure()) return e;
+  return gemm<float>(pool, x.typed_data(), w.typed_data(), nullptr, M, K, L, P, N, layer.typed_data()[0],
+                     y->typed_data());
+}
+
+ffi::Error GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsI8 w, Scales s,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t M, K, L, P, N;
+  if (auto e = check(x, w, y, M, K, L, P, N); e.failure()) return e;
+  if (s.dimensions()[0] != L || s.dimensions()[1] != P * kTile)
+    return ffi::Error::InvalidArgument("xlaserve_gemm_i8: scale must be [L, 64 P]");
+  return gemm<int8_t>(pool, x.typed_data(), reinterpret_cast<const int8_t*>(w.typed_data()), s.typed_data(),
+                      M, K, L, P, N, layer.typed_data()[0], y->typed_data());
 }
 
 // 2. XlaserveDecodeAttentionF32: one query token per row against its own pages of the KV cache.
@@ -304,3 +376,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeAttentionF32, DecodeAttentionImpl,
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale")
                                   .Ret<Rank4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8, GemmI8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<PanelsI8>()
+                                  .Arg<Scales>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -33,6 +33,7 @@ log = logging.getLogger("xlaserve.kernels")
 
 PANEL = 64                       # output columns per panel (4 AVX-512 vectors); must match cpu.cc
 TARGET = "xlaserve_cpu_gemm_f32"
+I8_TARGET = "xlaserve_cpu_gemm_i8"
 ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 _lock = threading.Lock()
@@ -105,6 +106,7 @@ def available() -> bool:
                 raise RuntimeError(f"untested CPU architecture {platform.machine()}")
             lib = ctypes.cdll.LoadLibrary(_build())
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveGemmF32), platform="cpu")
+            jax.ffi.register_ffi_target(I8_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8), platform="cpu")
             jax.ffi.register_ffi_target(ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveDecodeAttentionF32), platform="cpu")
             _state.update(ok=True, reason="", lib=lib)
         except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot instead
@@ -128,28 +130,38 @@ def num_panels(n: int) -> int:
     return -(-n // PANEL)
 
 
-def pack(w: jax.Array, k_dims: int, stacked: bool) -> jax.Array:
+def pack(w: Any, k_dims: int, stacked: bool) -> Any:
     """[L?, K..., N...] (k_dims contraction dims after the optional layer axis) -> [L, P, K, 64],
-    the output axis zero-padded to whole panels. Runs as one jitted program per weight."""
+    the output axis zero-padded to whole panels; float weights become float32. A weight-only int8
+    {"q", "s"} weight keeps int8 panels and gets its per-column scale as [L, 64 P]."""
     lead = 1 if stacked else 0
-    K = math.prod(w.shape[lead:lead + k_dims])
-    N = math.prod(w.shape[lead + k_dims:])
+    q = w["q"] if isinstance(w, dict) else w
+    L = q.shape[0] if stacked else 1
+    K = math.prod(q.shape[lead:lead + k_dims])
+    N = math.prod(q.shape[lead + k_dims:])
     P = num_panels(N)
 
     @jax.jit
-    def _pack(a):
-        a = a.reshape((a.shape[0] if stacked else 1, K, N)).astype(jnp.float32)
+    def _panels(a):
+        a = a.reshape((L, K, N))
+        a = a if a.dtype == jnp.int8 else a.astype(jnp.float32)
         a = jnp.pad(a, ((0, 0), (0, 0), (0, P * PANEL - N)))
-        return a.reshape(a.shape[0], K, P, PANEL).transpose(0, 2, 1, 3)
+        return a.reshape(L, K, P, PANEL).transpose(0, 2, 1, 3)
 
-    return _pack(w)
+    if not isinstance(w, dict):
+        return _panels(w)
+    scale = jax.jit(lambda s: jnp.pad(s.reshape(L, N).astype(jnp.float32), ((0, 0), (0, P * PANEL - N))))(w["s"])
+    return {"q": _panels(q), "s": scale}
 
 
-def gemm(x: jax.Array, w: jax.Array, layer: Any, n: int) -> jax.Array:
-    """x [M, K] float32 @ w[layer] (packed [L, P, K, 64]) -> [M, n] float32."""
+def gemm(x: jax.Array, w: Any, layer: Any, n: int) -> jax.Array:
+    """x [M, K] float32 @ w[layer] (packed [L, P, K, 64], or int8 {"q", "s"}) -> [M, n] float32."""
     _require()
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-        x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(()))
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    li = jnp.asarray(layer, jnp.int32).reshape(())
+    if isinstance(w, dict):
+        return jax.ffi.ffi_call(I8_TARGET, out)(x.astype(jnp.float32), w["q"], w["s"], li)
+    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w, li)
 
 
 def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...]) -> jax.Array:
@@ -158,8 +170,9 @@ def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[
     lead = x.shape[:x.ndim - k_dims]
     K = math.prod(x.shape[x.ndim - k_dims:])
     n = math.prod(out_tail)
-    if w.shape[2] != K or num_panels(n) != w.shape[1]:
-        raise ValueError(f"packed weight {w.shape} does not fit input {x.shape} -> {out_tail}")
+    shape = (w["q"] if isinstance(w, dict) else w).shape
+    if shape[2] != K or num_panels(n) != shape[1]:
+        raise ValueError(f"packed weight {shape} does not fit input {x.shape} -> {out_tail}")
     y = gemm(x.reshape(-1, K), w, layer, n)
     return y.reshape(lead + tuple(out_tail))
 
@@ -176,11 +189,14 @@ def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, page_table: jax
         page_size=int(page_size), window=int(window), scale=np.float32(scale))
 
 
-def reference_gemm(x: np.ndarray, w_packed: np.ndarray, layer: int, n: int) -> np.ndarray:
+def reference_gemm(x: np.ndarray, w_packed: Any, layer: int, n: int) -> np.ndarray:
     """NumPy meaning of `gemm` (for tests): unpack the layer's panels and multiply."""
-    _, P, K, _ = w_packed.shape
-    w = np.asarray(w_packed[layer]).transpose(1, 0, 2).reshape(K, P * PANEL)[:, :n]
-    return np.asarray(x, np.float64) @ w.astype(np.float64)
+    q = np.asarray(w_packed["q"] if isinstance(w_packed, dict) else w_packed)
+    _, P, K, _ = q.shape
+    w = q[layer].transpose(1, 0, 2).reshape(K, P * PANEL)[:, :n].astype(np.float64)
+    if isinstance(w_packed, dict):
+        w = w * np.asarray(w_packed["s"])[layer, :n].astype(np.float64)
+    return np.asarray(x, np.float64) @ w
 
 
 # --------------------------------------------------------------------------- choice
@@ -189,7 +205,7 @@ CHOICES = ("auto", "xla", "kernel")
 
 def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
     """--cpu-matmul: 'kernel' or 'xla' for a decoder. auto = the kernel wherever it applies
-    (CPU, float32, unquantized, tp 1) and builds; asking for 'kernel' where it cannot run is an
+    (CPU, float32 activations, float32 or int8 weights, tp 1) and builds; asking for 'kernel' where it cannot run is an
     error rather than a silent fallback."""
     from jax_engine.errors import InvalidRequest
 
@@ -202,7 +218,7 @@ def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
         why = f"it is a CPU kernel and the platform is {plat}"
     elif jnp.dtype(dtype) != jnp.float32:
         why = f"it is float32 only (dtype {jnp.dtype(dtype).name})"
-    elif quantize != "none":
+    elif quantize not in ("none", "int8"):
         why = f"it has no {quantize} weights"
     elif tp != 1:
         why = f"it is not sharded for tensor parallelism (tp {tp})"
