@@ -131,7 +131,7 @@ class GenerateWorker:
         """Enough pages for every running row at full context, capped by a memory budget."""
         want = rc.max_running * math.ceil(rc.max_model_len / rc.page_size) + 1
         c = self.cfg
-        per_page = 2 * c.num_layers * rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * jnp.dtype(self.dtype).itemsize
+        per_page = 2 * c.num_layers * rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * backend.kv_dtype(self.dtype).itemsize
         budget = 4 << 30
         try:
             stats = jax.local_devices()[0].memory_stats() or {}

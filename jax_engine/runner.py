@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_engine import sampling
+from jax_engine import backend, sampling
 from jax_engine.compilation import ProgramCache
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig, StepInputs
@@ -101,6 +101,7 @@ class ModelRunner:
         self.programs = ProgramCache("decoder")
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests inject step failures here
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else jax.local_devices()[0]
+        self.kv_dtype = backend.kv_dtype(dtype)
         self.state = self._new_state()
         self._register()
 
@@ -117,8 +118,8 @@ class ModelRunner:
         sh = {n: NamedSharding(self.mesh, spec) if self.mesh is not None else self._replicated for n, (_, spec) in kv.items()}
         slots = rc.max_running + 1
         return {
-            "k": jnp.zeros(kv["k"][0], self.dtype, device=sh["k"]),
-            "v": jnp.zeros(kv["v"][0], self.dtype, device=sh["v"]),
+            "k": jnp.zeros(kv["k"][0], self.kv_dtype, device=sh["k"]),
+            "v": jnp.zeros(kv["v"][0], self.kv_dtype, device=sh["v"]),
             "counts": jnp.zeros((slots, c.vocab_size), jnp.int32, device=self._replicated),
             "pm": jnp.zeros((slots, c.vocab_size), bool, device=self._replicated),
         }
@@ -132,7 +133,7 @@ class ModelRunner:
 
     def kv_bytes_per_page(self) -> int:
         c = self.cfg
-        return 2 * c.num_layers * self.rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * jnp.dtype(self.dtype).itemsize
+        return 2 * c.num_layers * self.rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * self.kv_dtype.itemsize
 
     # ------------------------------------------------------------------ programs
     def _register(self) -> None:

@@ -259,7 +259,7 @@ def test_runner_programs_with_gpu_backend_match_reference():
 # ----------------------------------------------------------------------------- selection
 def test_auto_picks_by_platform():
     cfg = small_cfg()
-    assert attention.resolve("auto", cfg, 16, jnp.bfloat16, platform="cpu") == "reference"
+    assert attention.resolve("auto", cfg, 16, jnp.bfloat16, platform="cpu") == "cpu"       # KV is float32 on CPU
     assert attention.resolve("auto", cfg, 16, jnp.bfloat16, platform="gpu") == "pallas_gpu"
     assert attention.resolve("auto", small_cfg(head_dim=128), 16, jnp.bfloat16, platform="tpu") == "pallas_tpu"
     assert attention.resolve("auto", cfg, 16, jnp.bfloat16, platform="tpu") == "reference"    # head_dim 16

@@ -63,6 +63,23 @@ def test_int8_gemm_matches_numpy():
             np.testing.assert_allclose(K.reference_gemm(x, packed, li, N), want, rtol=1e-6, atol=1e-5)
 
 
+def test_bfloat16_gemm_matches_numpy():
+    rng = np.random.default_rng(12)
+    L, K_, N = 2, 80, 150
+    w = jnp.asarray(rng.standard_normal((L, K_, N), dtype=np.float32)).astype(jnp.bfloat16)
+    packed = K.pack(w, 1, stacked=True)
+    assert packed.dtype == jnp.bfloat16
+    wf = np.asarray(w.astype(jnp.float32)).astype(np.float64)
+    for M in (1, 6, 9):
+        x = jnp.asarray(rng.standard_normal((M, K_), dtype=np.float32)).astype(jnp.bfloat16)
+        for li in range(L):
+            got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(x, packed))
+            want = np.asarray(x.astype(jnp.float32)).astype(np.float64) @ wf[li]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(K.reference_gemm(np.asarray(x.astype(jnp.float32)), packed, li, N), want,
+                                       rtol=1e-6, atol=1e-5)
+
+
 def test_linear_keeps_structured_shapes():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((2, 4, 3, 8, 24), dtype=np.float32)            # [L, KVH, G, D, H], 3 contraction dims
@@ -129,8 +146,9 @@ def test_prefill_chunks_keep_the_reference_math():
 def test_resolve_rules():
     assert K.resolve("auto", "cpu", jnp.float32, "none", 1) == "kernel"
     assert K.resolve("auto", "cpu", jnp.float32, "int8", 1) == "kernel"
+    assert K.resolve("auto", "cpu", jnp.bfloat16, "none", 1) == "kernel"
     assert K.resolve("xla", "cpu", jnp.float32, "none", 1) == "xla"
-    for plat, dt, quant, tp in (("gpu", jnp.float32, "none", 1), ("cpu", jnp.bfloat16, "none", 1),
+    for plat, dt, quant, tp in (("gpu", jnp.float32, "none", 1), ("cpu", jnp.float16, "none", 1),
                                 ("cpu", jnp.float32, "int4", 1), ("cpu", jnp.float32, "none", 2)):
         assert K.resolve("auto", plat, dt, quant, tp) == "xla"
         with pytest.raises(InvalidRequest, match="--cpu-matmul kernel"):
@@ -139,7 +157,7 @@ def test_resolve_rules():
         K.resolve("mkl", "cpu", jnp.float32, "none", 1)
 
 
-def test_flag_reaches_the_model(tmp_path):
+def test_flag_reaches_the_model(tmp_path, monkeypatch):
     from frontends.cli import engine_args, parse_serve_args
     from jax_engine.config import EngineArgs, ModelSpec
     from jax_engine.demo_model import build_demo_generator
@@ -150,7 +168,7 @@ def test_flag_reaches_the_model(tmp_path):
     with pytest.raises(SystemExit):
         parse_serve_args(["--cpu-matmul", "mkl"])
     path = build_demo_generator(str(tmp_path / "demo"))
-    for choice, dtype, want in (("auto", "float32", "kernel"), ("xla", "float32", "xla"), ("auto", "bfloat16", "xla")):
+    for choice, dtype, want in (("auto", "float32", "kernel"), ("xla", "float32", "xla"), ("auto", "bfloat16", "kernel")):
         engine = Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], max_running_requests=2, dtype=dtype,
                                    max_num_batched_tokens=32, max_model_len=64, page_size=16, num_pages=8,
                                    cpu_matmul=choice))
@@ -160,9 +178,16 @@ def test_flag_reaches_the_model(tmp_path):
             assert worker.cfg.matmul == want
             qkv = worker.replicas[0].runner.params["layers"]["qkv"]
             assert (qkv.ndim == 4 and qkv.shape[-1] == K.PANEL) == (want == "kernel")
+            runner = worker.replicas[0].runner
+            # XLA:CPU cannot update a bfloat16 cache in place in the layer scan: CPU keeps KV in float32
+            assert runner.state["k"].dtype == jnp.float32 and runner.kv_bytes_per_page() % 4 == 0
+            assert worker.cfg.attention_backend == "cpu"
         finally:
             engine.shutdown(timeout=2.0)
+    from jax_engine import backend
+
+    monkeypatch.setattr(backend, "platform", lambda: "gpu")      # a CPU kernel on a GPU: refused
     with pytest.raises(InvalidRequest, match="--cpu-matmul kernel"):
-        Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], dtype="bfloat16", cpu_matmul="kernel",
+        Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], dtype="float32", cpu_matmul="kernel",
                           max_running_requests=2, max_num_batched_tokens=32, max_model_len=64)).load_all(
             progress=False, warmup=False)

@@ -4,7 +4,8 @@ Decode (one query token per row) calls jax_engine/kernels/cpu.cc through an XLA 
 walks each row's page table and reads only its valid keys, in place; the reference instead
 gathers the whole page bucket of every row into a fresh [B, S, KVH, D] array per layer (about a
 quarter of a batch-16 decode step on 2 cores). Prefill chunks (Tq > 1) keep the reference's
-masked softmax, which XLA runs as large batched matmuls. float32 caches, tp 1 only.
+masked softmax, which XLA runs as large batched matmuls. float32 caches (what CPU always uses,
+jax_engine/backend.kv_dtype), tp 1 only.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ class CpuKernel(Reference):
     name = "cpu"
 
     def unsupported(self, cfg: Any, page_size: int, dtype: Any) -> Optional[str]:
-        if jnp.dtype(dtype) != jnp.float32:
-            return f"the CPU decode kernel is float32 only (dtype {jnp.dtype(dtype).name})"
+        if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):   # the KV cache is float32 on CPU either way
+            return f"the CPU decode kernel takes float32 or bfloat16 models (dtype {jnp.dtype(dtype).name})"
         if not cpu_kernels.available():
             return f"the CPU kernels did not build: {cpu_kernels.reason()}"
         return None

@@ -1,6 +1,6 @@
 // CPU kernels behind XLA FFI custom calls (built and registered by cpu.py).
 //
-// 1. XlaserveGemmF32: small-M float32 GEMM for decode steps, y[M, N] = x[M, K] @ w[layer][K, N].
+// 1. XlaserveGemmF32 (and GemmI8 / GemmBF16 for int8 / bfloat16 weights): small-M GEMM for decode steps, y[M, N] = x[M, K] @ w[layer][K, N].
 // Why: at decode, M (rows in the batch) is 1..64 while the weights are megabytes, so the
 // matmul is a stream over the weights. XLA:CPU's dot repacks the weight panel for every call
 // and reaches ~10-20 GB/s at M = 16; this kernel reads each weight once, straight from its
@@ -34,6 +34,7 @@ namespace {
 using Panels = ffi::Buffer<ffi::F32, 4>;   // [L, P, K, 64]
 using PanelsI8 = ffi::Buffer<ffi::S8, 4>;
 using Scales = ffi::Buffer<ffi::F32, 2>;   // [L, 64 P]
+using PanelsBF16 = ffi::Buffer<ffi::BF16, 4>;
 using Rank4 = ffi::Buffer<ffi::F32, 4>;
 using I32x2 = ffi::Buffer<ffi::S32, 2>;
 using I32x1 = ffi::Buffer<ffi::S32, 1>;
@@ -45,9 +46,25 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
-// 16 weights as floats: float32 as stored; int8 widened (the per-column scale is applied once,
+// 16 weights as floats: float32 as stored; bfloat16 (uint16_t bits) shifted into the high half;
+// int8 widened (the per-column scale is applied once,
 // after the K loop, so int8 costs a convert per weight and a quarter of the memory traffic)
 inline v16 load_w(const float* p) { return load16(p); }
+inline v16 load_w(const uint16_t* p) {
+#ifdef __AVX512F__
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  v16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+#else
+  v16 v;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+    std::memcpy(&v[i], &bits, sizeof bits);
+  }
+  return v;
+#endif
+}
 inline v16 load_w(const int8_t* p) {
 #ifdef __AVX512F__
   const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -219,6 +236,14 @@ ffi::Error GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsI8 w,
                       M, K, L, P, N, layer.typed_data()[0], y->typed_data());
 }
 
+ffi::Error GemmBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsBF16 w,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t M, K, L, P, N;
+  if (auto e = check(x, w, y, M, K, L, P, N); e.failure()) return e;
+  return gemm<uint16_t>(pool, x.typed_data(), w.typed_data(), nullptr, M, K, L, P, N, layer.typed_data()[0],
+                        y->typed_data());
+}
+
 // 2. XlaserveDecodeAttentionF32: one query token per row against its own pages of the KV cache.
 // Why: the pure-JAX attention gathers every row's whole page bucket into a new [B, S, KVH, D]
 // array per layer and runs tiny batched dots over it; this reads only the row's valid keys, in
@@ -383,5 +408,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8, GemmI8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<PanelsI8>()
                                   .Arg<Scales>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBF16, GemmBF16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<PanelsBF16>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -34,6 +34,7 @@ log = logging.getLogger("xlaserve.kernels")
 PANEL = 64                       # output columns per panel (4 AVX-512 vectors); must match cpu.cc
 TARGET = "xlaserve_cpu_gemm_f32"
 I8_TARGET = "xlaserve_cpu_gemm_i8"
+BF16_TARGET = "xlaserve_cpu_gemm_bf16"
 ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 _lock = threading.Lock()
@@ -107,6 +108,7 @@ def available() -> bool:
             lib = ctypes.cdll.LoadLibrary(_build())
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveGemmF32), platform="cpu")
             jax.ffi.register_ffi_target(I8_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8), platform="cpu")
+            jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBF16), platform="cpu")
             jax.ffi.register_ffi_target(ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveDecodeAttentionF32), platform="cpu")
             _state.update(ok=True, reason="", lib=lib)
         except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot instead
@@ -132,7 +134,8 @@ def num_panels(n: int) -> int:
 
 def pack(w: Any, k_dims: int, stacked: bool) -> Any:
     """[L?, K..., N...] (k_dims contraction dims after the optional layer axis) -> [L, P, K, 64],
-    the output axis zero-padded to whole panels; float weights become float32. A weight-only int8
+    the output axis zero-padded to whole panels; bfloat16 stays bfloat16, other floats become
+    float32. A weight-only int8
     {"q", "s"} weight keeps int8 panels and gets its per-column scale as [L, 64 P]."""
     lead = 1 if stacked else 0
     q = w["q"] if isinstance(w, dict) else w
@@ -144,7 +147,7 @@ def pack(w: Any, k_dims: int, stacked: bool) -> Any:
     @jax.jit
     def _panels(a):
         a = a.reshape((L, K, N))
-        a = a if a.dtype == jnp.int8 else a.astype(jnp.float32)
+        a = a if a.dtype in (jnp.int8, jnp.bfloat16) else a.astype(jnp.float32)
         a = jnp.pad(a, ((0, 0), (0, 0), (0, P * PANEL - N)))
         return a.reshape(L, K, P, PANEL).transpose(0, 2, 1, 3)
 
@@ -155,13 +158,15 @@ def pack(w: Any, k_dims: int, stacked: bool) -> Any:
 
 
 def gemm(x: jax.Array, w: Any, layer: Any, n: int) -> jax.Array:
-    """x [M, K] float32 @ w[layer] (packed [L, P, K, 64], or int8 {"q", "s"}) -> [M, n] float32."""
+    """x [M, K] @ w[layer] (packed [L, P, K, 64] float32 or bfloat16, or int8 {"q", "s"}) -> [M, n]
+    float32; x is computed in float32 whatever its dtype (as XLA's preferred_element_type)."""
     _require()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     li = jnp.asarray(layer, jnp.int32).reshape(())
     if isinstance(w, dict):
         return jax.ffi.ffi_call(I8_TARGET, out)(x.astype(jnp.float32), w["q"], w["s"], li)
-    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w, li)
+    target = BF16_TARGET if w.dtype == jnp.bfloat16 else TARGET
+    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w, li)
 
 
 def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...]) -> jax.Array:
@@ -193,7 +198,7 @@ def reference_gemm(x: np.ndarray, w_packed: Any, layer: int, n: int) -> np.ndarr
     """NumPy meaning of `gemm` (for tests): unpack the layer's panels and multiply."""
     q = np.asarray(w_packed["q"] if isinstance(w_packed, dict) else w_packed)
     _, P, K, _ = q.shape
-    w = q[layer].transpose(1, 0, 2).reshape(K, P * PANEL)[:, :n].astype(np.float64)
+    w = q[layer].transpose(1, 0, 2).reshape(K, P * PANEL)[:, :n].astype(np.float32).astype(np.float64)
     if isinstance(w_packed, dict):
         w = w * np.asarray(w_packed["s"])[layer, :n].astype(np.float64)
     return np.asarray(x, np.float64) @ w
@@ -205,7 +210,7 @@ CHOICES = ("auto", "xla", "kernel")
 
 def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
     """--cpu-matmul: 'kernel' or 'xla' for a decoder. auto = the kernel wherever it applies
-    (CPU, float32 activations, float32 or int8 weights, tp 1) and builds; asking for 'kernel' where it cannot run is an
+    (CPU, float32 or bfloat16 weights or weight-only int8, tp 1) and builds; asking for 'kernel' where it cannot run is an
     error rather than a silent fallback."""
     from jax_engine.errors import InvalidRequest
 
@@ -216,8 +221,8 @@ def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
     why = None
     if plat != "cpu":
         why = f"it is a CPU kernel and the platform is {plat}"
-    elif jnp.dtype(dtype) != jnp.float32:
-        why = f"it is float32 only (dtype {jnp.dtype(dtype).name})"
+    elif jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+        why = f"it takes float32 or bfloat16 (dtype {jnp.dtype(dtype).name})"
     elif quantize not in ("none", "int8"):
         why = f"it has no {quantize} weights"
     elif tp != 1:
