@@ -159,7 +159,7 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
         help="decoder attention: auto (Pallas kernels on GPU / TPU, pure JAX on CPU), reference (pure JAX), "
              "pallas (the platform's Pallas kernel; refused on CPU)")
     opt(m, "--cpu-matmul", default=d["cpu_matmul"], choices=["auto", "xla", "kernel"],
-        help="decoder matmuls on CPU: auto (the packed-panel C++ kernel for float32 tp-1 decoders, float32 or int8 weights, "
+        help="decoder matmuls on CPU: auto (the packed-panel C++ kernel for tp-1 decoders with float32, bfloat16 or int8 weights, "
              "decoders when a C++ compiler is present, else XLA's dot), xla, kernel (refused where it cannot run)")
 
     lim = p.add_argument_group("request limits")
