@@ -160,7 +160,7 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
              "pallas (the platform's Pallas kernel; refused on CPU)")
     opt(m, "--cpu-matmul", default=d["cpu_matmul"], choices=["auto", "xla", "kernel"],
         help="decoder matmuls on CPU: auto (the packed-panel C++ kernel for tp-1 decoders with float32, bfloat16 or int8 weights, "
-             "decoders when a C++ compiler is present, else XLA's dot), xla, kernel (refused where it cannot run)")
+             "when a C++ compiler is present, else XLA's dot), xla, kernel (refused where it cannot run)")
 
     lim = p.add_argument_group("request limits")
     opt(lim, "--max-prompt-tokens", type=_positive, default=None, help="prompt token limit (default: the context)")
