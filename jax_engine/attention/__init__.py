@@ -17,9 +17,9 @@ src, dst, page_size)`.
 `--attention-backend` through `resolve()`); the runner and `llama.forward` both ask `get()`.
 
 `--attention-backend` (EngineArgs.attention_backend): `auto` = TPU -> pallas_tpu, GPU ->
-pallas_gpu, CPU -> cpu (float32, tp 1, and the kernels built; else reference); `reference` forces the reference anywhere; `pallas` forces the
-platform's kernel and fails at start-up on CPU (interpret mode is for the tests only, far too slow
-to serve) or where the kernel does not support the model's shapes. The Pallas kernels are not
+pallas_gpu, CPU -> cpu (tp 1 and the kernels built; else reference); `reference` forces the
+reference anywhere; `pallas` forces the platform's kernel and fails at start-up on CPU
+(interpret mode is for the tests only, far too slow to serve) or where the kernel does not support the model's shapes. The Pallas kernels are not
 wrapped in shard_map yet, so with tensor parallelism (tp > 1) `auto` picks the reference and
 `pallas` is refused: a kernel custom call inside a GSPMD-partitioned program would gather the
 whole KV cache onto every device.

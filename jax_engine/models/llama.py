@@ -12,7 +12,7 @@ Weight layout (chosen for fused matmuls and clean tensor-parallel sharding):
   down  [L, I, H]            row-parallel over I
 Linear weights are either arrays or {"q": int8, "s": per-output-channel scale} (weight-only int8).
 With cfg.matmul == "kernel" (CPU) the four layer matrices and the LM head are instead packed into
-64-column panels [L, P, K, 64] by `pack_for_kernel`, for jax_engine/kernels/cpu_kernels.
+64-column panels [L, P, K, 64] by `pack_for_kernel`, for jax_engine/kernels/cpu.py.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class LlamaConfig:
     # jax_engine/attention backend; the served path sets it from --attention-backend (attention.resolve)
     attention_backend: str = "reference"
     # "xla": einsum over the layouts above; "kernel": packed [L, P, K, 64] weights and the CPU
-    # custom call (jax_engine/kernels/cpu_kernels.py); the served path sets it from --cpu-matmul
+    # custom call (jax_engine/kernels/cpu.py); the served path sets it from --cpu-matmul
     matmul: str = "xla"
 
     @property
