@@ -1,17 +1,16 @@
 // CPU kernels behind XLA FFI custom calls (built and registered by cpu.py).
 //
-// 1. XlaserveGemmF32 (and GemmI8 / GemmBF16 for int8 / bfloat16 weights): small-M GEMM for decode steps, y[M, N] = x[M, K] @ w[layer][K, N].
-// Why: at decode, M (rows in the batch) is 1..64 while the weights are megabytes, so the
-// matmul is a stream over the weights. XLA:CPU's dot repacks the weight panel for every call
-// and reaches ~10-20 GB/s at M = 16; this kernel reads each weight once, straight from its
-// row-major layout, keeping all M rows' accumulators in registers, and stays near the
-// memory bandwidth for any M up to the limit the caller sets.
+// 1. XlaserveGemmF32 / XlaserveGemmI8 / XlaserveGemmBF16: y[M, N] = x[M, K] @ w[layer] for
+// float32, weight-only int8 (per-column scale) and bfloat16 weights; x and y are float32.
+// Why: at decode M (rows in the batch) is 1..64 while the weights are megabytes, so the matmul
+// is a stream over the weights. XLA:CPU's dot repacks the weight operand on every call and
+// reached 10-20 GB/s at these shapes. Here the weights were packed once, at load, into
+// 64-column panels [L, P, K, 64] (one panel = one contiguous stream), each panel is read once
+// per K chunk while up to 6 rows x 64 columns of accumulators stay in registers, and the stacked
+// [L, ...] weight comes whole with a layer index, so a layer scan passes its loop-invariant
+// weights without XLA materialising a per-layer slice. Panels are claimed from an atomic counter
+// by the calling thread and by tasks on XLA's own intra-op pool (parallel_for).
 //
-// The weight operand may be a stack of layers [L, K, N] with a layer index, so a layer scan
-// can pass its loop-invariant stacked weights without XLA materialising a per-layer slice.
-// Work is split into 64-column tiles claimed from an atomic counter by the calling thread and
-// by tasks on XLA's own intra-op thread pool; the caller only waits for tiles already being
-// computed, so a late or never-run task cannot deadlock it.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -105,7 +104,7 @@ inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t l
 
 constexpr int64_t kKc = 128;   // K rows per pass over the M blocks: 32 KiB of panel stays in L1
 
-// One panel (64 output columns) for all M rows into a [M, 64] scratch.
+// One panel (64 output columns) for all M rows into out (row stride ldo).
 // scale (64 floats, or null for float32 weights) multiplies each output column at the end.
 template <typename W>
 inline void do_panel(const float* x, const W* panel, const float* scale, float* out, int64_t ldo, int64_t M, int64_t K) {
@@ -113,7 +112,7 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
     const bool first = k0 == 0;
-    // the micro-kernel reads float rows; int8 chunks are widened once into an L1-resident buffer
+    // the micro-kernel reads float rows; int8 / bfloat16 chunks are widened once into an L1 buffer
     // and then shared by every block of rows (prefill has thousands)
     const float* p;
     if constexpr (std::is_same_v<W, float>) {
