@@ -103,6 +103,7 @@ inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t l
 }
 
 constexpr int64_t kKc = 128;   // K rows per pass over the M blocks: 32 KiB of panel stays in L1
+constexpr int64_t kMc = 192;   // rows of x per work item when M is large (192 x 768 floats = 576 KiB, in L2)
 
 // One panel (64 output columns) for all M rows into out (row stride ldo).
 // scale (64 floats, or null for float32 weights) multiplies each output column at the end.
@@ -190,15 +191,22 @@ ffi::Error gemm(ffi::ThreadPool& pool, const float* xp, const W* wp, const float
   const W* wl = wp + li * P * K * kTile;
   const float* sl = sp ? sp + li * P * kTile : nullptr;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  parallel_for(pool, P, P / (4 * threads), [=](int64_t t) {
+  // Large M (prefill): rows in chunks of kMc so a chunk of x stays in L2 while the panels stream
+  // past it; items are (row chunk, panel), consecutive items share the row chunk.
+  const int64_t mc = M > 2 * kMc ? kMc : M;
+  const int64_t chunks = (M + mc - 1) / mc;
+  parallel_for(pool, chunks * P, std::max<int64_t>(1, P / (4 * threads)), [=](int64_t item) {
+    const int64_t t = item % P, m0 = (item / P) * mc, rows = std::min(mc, M - m0);
     const W* panel = wl + t * K * kTile;
     const float* sc = sl ? sl + t * kTile : nullptr;
+    const float* xr = xp + m0 * K;
+    float* yr = yp + m0 * N;
     const int64_t n0 = t * kTile;
-    if (n0 + kTile <= N) { do_panel(xp, panel, sc, yp + n0, N, M, K); return; }
-    std::vector<float> scratch(M * kTile);   // the ragged last panel: compute 64 columns, keep N - n0
-    do_panel(xp, panel, sc, scratch.data(), kTile, M, K);
-    for (int64_t m = 0; m < M; ++m)
-      std::memcpy(yp + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
+    if (n0 + kTile <= N) { do_panel(xr, panel, sc, yr + n0, N, rows, K); return; }
+    std::vector<float> scratch(rows * kTile);   // the ragged last panel: compute 64 columns, keep N - n0
+    do_panel(xr, panel, sc, scratch.data(), kTile, rows, K);
+    for (int64_t m = 0; m < rows; ++m)
+      std::memcpy(yr + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
   });
   return ffi::Error::Success();
 }
