@@ -10,6 +10,7 @@ Sections
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -43,6 +44,22 @@ def demo_generator_path(model_root) -> str:
     from jax_engine.demo_model import build_demo_generator
 
     return build_demo_generator(os.path.join(model_root, "demo-gen"))
+
+
+@contextlib.contextmanager
+def small_engine(path: str, **engine_kw):
+    """A loaded (not warmed) engine serving `path` as model "m" with a small cache, shut down on
+    exit: for tests that check what flags resolve to, not for serving."""
+    from jax_engine.config import EngineArgs, ModelSpec
+    from jax_engine.engine import Engine
+
+    kw = dict(max_running_requests=2, max_num_batched_tokens=32, max_model_len=64, page_size=16, num_pages=8)
+    engine = Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], **{**kw, **engine_kw}))
+    try:
+        engine.load_all(progress=False, warmup=False)
+        yield engine
+    finally:
+        engine.shutdown(timeout=2.0)
 
 
 @pytest.fixture(scope="session")

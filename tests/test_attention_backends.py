@@ -282,32 +282,24 @@ def test_auto_picks_by_platform():
         attention.get("pallas")
 
 
-def test_flag_reaches_the_model(tmp_path, monkeypatch):
+def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
     from frontends.cli import engine_args, parse_serve_args
     from jax_engine import backend
-    from jax_engine.config import EngineArgs, ModelSpec
-    from jax_engine.demo_model import build_demo_generator
-    from jax_engine.engine import Engine
+    from jax_engine.config import EngineArgs
+    from tests.conftest import small_engine
 
     ns = parse_serve_args(["--attention-backend", "reference", "--model", f"g={tmp_path}"])
     assert engine_args(ns).attention_backend == "reference"
     assert EngineArgs().attention_backend == "auto"
     with pytest.raises(SystemExit):
         parse_serve_args(["--attention-backend", "triton"])
-    path = build_demo_generator(str(tmp_path / "demo"))
     for plat, choice, want in (("cpu", "auto", "cpu"), ("cpu", "reference", "reference"), ("gpu", "auto", "pallas_gpu"),
                                ("gpu", "reference", "reference")):
         monkeypatch.setattr(backend, "platform", lambda plat=plat: plat)
-        engine = Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], max_running_requests=2,
-                                   max_num_batched_tokens=32, max_model_len=64, page_size=16, num_pages=8,
-                                   attention_backend=choice))
-        try:
-            engine.load_all(progress=False, warmup=False)
+        with small_engine(demo_generator_path, attention_backend=choice) as engine:
             worker = engine._worker("m")
             assert worker.cfg.attention_backend == want
             runner = worker.replicas[0].runner
             assert runner.cfg.attention_backend == want
             layout = attention.get(want).cache_specs(runner.cfg, 8, 16)["k"][0]
             assert runner.state["k"].shape == layout
-        finally:
-            engine.shutdown(timeout=2.0)

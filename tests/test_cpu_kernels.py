@@ -157,37 +157,29 @@ def test_resolve_rules():
         K.resolve("mkl", "cpu", jnp.float32, "none", 1)
 
 
-def test_flag_reaches_the_model(tmp_path, monkeypatch):
+def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
     from frontends.cli import engine_args, parse_serve_args
-    from jax_engine.config import EngineArgs, ModelSpec
-    from jax_engine.demo_model import build_demo_generator
-    from jax_engine.engine import Engine
+    from jax_engine import backend
+    from jax_engine.config import EngineArgs
+    from tests.conftest import small_engine
 
     assert EngineArgs().cpu_matmul == "auto"
     assert engine_args(parse_serve_args(["--cpu-matmul", "xla", "--model", f"g={tmp_path}"])).cpu_matmul == "xla"
     with pytest.raises(SystemExit):
         parse_serve_args(["--cpu-matmul", "mkl"])
-    path = build_demo_generator(str(tmp_path / "demo"))
     for choice, dtype, want in (("auto", "float32", "kernel"), ("xla", "float32", "xla"), ("auto", "bfloat16", "kernel")):
-        engine = Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], max_running_requests=2, dtype=dtype,
-                                   max_num_batched_tokens=32, max_model_len=64, page_size=16, num_pages=8,
-                                   cpu_matmul=choice))
-        try:
-            engine.load_all(progress=False, warmup=False)
+        with small_engine(demo_generator_path, dtype=dtype, cpu_matmul=choice) as engine:
             worker = engine._worker("m")
-            assert worker.cfg.matmul == want
-            qkv = worker.replicas[0].runner.params["layers"]["qkv"]
-            assert (qkv.ndim == 4 and qkv.shape[-1] == K.PANEL) == (want == "kernel")
             runner = worker.replicas[0].runner
+            assert worker.cfg.matmul == want
+            qkv = runner.params["layers"]["qkv"]
+            assert (qkv.ndim == 4 and qkv.shape[-1] == K.PANEL) == (want == "kernel")
             # XLA:CPU cannot update a bfloat16 cache in place in the layer scan: CPU keeps KV in float32
-            assert runner.state["k"].dtype == jnp.float32 and runner.kv_bytes_per_page() % 4 == 0
+            c = runner.cfg
+            assert runner.state["k"].dtype == jnp.float32
+            assert runner.kv_bytes_per_page() == 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4
             assert worker.cfg.attention_backend == "cpu"
-        finally:
-            engine.shutdown(timeout=2.0)
-    from jax_engine import backend
-
     monkeypatch.setattr(backend, "platform", lambda: "gpu")      # a CPU kernel on a GPU: refused
     with pytest.raises(InvalidRequest, match="--cpu-matmul kernel"):
-        Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], dtype="float32", cpu_matmul="kernel",
-                          max_running_requests=2, max_num_batched_tokens=32, max_model_len=64)).load_all(
-            progress=False, warmup=False)
+        with small_engine(demo_generator_path, dtype="float32", cpu_matmul="kernel"):
+            pass

@@ -80,16 +80,17 @@ inline v16 load_w(const int8_t* p) {
 constexpr int kTile = 64;   // columns per tile: 4 vectors of 16 floats
 constexpr int kVec = kTile / 16;
 
-// y[m0:m0+MR, tile] (+)= x[m0:m0+MR, k0:k1] @ panel[k0:k1, :]; the panel is 64 columns, row-major.
+// y[m0:m0+MR, tile] (+)= x[m0:m0+MR, 0:kn] @ panel[0:kn, :] (the panel: 64 columns, row-major;
+// x rows have stride K). `first` starts from zero instead of accumulating into y.
 template <int MR, typename W = float>
 inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
-                  int64_t k0, int64_t k1, bool first) {
+                  int64_t kn, bool first) {
   v16 acc[MR][kVec];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVec; ++v) acc[m][v] = first ? v16{} : load16(y + (m0 + m) * ldy + 16 * v);
   const float* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * K;
-  for (int64_t k = k0; k < k1; ++k) {
+  for (int64_t k = 0; k < kn; ++k) {
     const W* row = panel + k * kTile;
     v16 wv[kVec];
     for (int v = 0; v < kVec; ++v) wv[v] = load_w(row + 16 * v);
@@ -105,43 +106,45 @@ inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t l
 constexpr int64_t kKc = 128;   // K rows per pass over the M blocks: 32 KiB of panel stays in L1
 constexpr int64_t kMc = 192;   // rows of x per work item when M is large (192 x 768 floats = 576 KiB, in L2)
 
+// The micro-kernel for 1..6 rows (the register tile's row count is a template parameter).
+template <typename W>
+inline void micro_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
+                       int64_t kn, bool first) {
+  switch (rows) {
+    case 6: micro<6, W>(x, panel, y, K, ldy, m0, kn, first); break;
+    case 5: micro<5, W>(x, panel, y, K, ldy, m0, kn, first); break;
+    case 4: micro<4, W>(x, panel, y, K, ldy, m0, kn, first); break;
+    case 3: micro<3, W>(x, panel, y, K, ldy, m0, kn, first); break;
+    case 2: micro<2, W>(x, panel, y, K, ldy, m0, kn, first); break;
+    default: micro<1, W>(x, panel, y, K, ldy, m0, kn, first); break;
+  }
+}
+
 // One panel (64 output columns) for all M rows into out (row stride ldo).
 // scale (64 floats, or null for float32 weights) multiplies each output column at the end.
 template <typename W>
 inline void do_panel(const float* x, const W* panel, const float* scale, float* out, int64_t ldo, int64_t M, int64_t K) {
   alignas(64) float buf[std::is_same_v<W, float> ? 1 : kKc * kTile];
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t k1 = k0 + kKc < K ? k0 + kKc : K;
+    const int64_t kn = std::min(kKc, K - k0);
     const bool first = k0 == 0;
-    // the micro-kernel reads float rows; int8 / bfloat16 chunks are widened once into an L1 buffer
-    // and then shared by every block of rows (prefill has thousands)
+    const W* chunk = panel + k0 * kTile;
+    if constexpr (!std::is_same_v<W, float>) {
+      if (M <= 6) {   // one block of rows: widen int8 / bfloat16 in registers, no buffer round trip
+        micro_rows<W>(M, x + k0, chunk, out, K, ldo, 0, kn, first);
+        continue;
+      }
+    }
+    // the micro-kernel reads float rows; int8 / bfloat16 chunks are widened once into an L1
+    // buffer and then shared by every block of rows (prefill has thousands)
     const float* p;
     if constexpr (std::is_same_v<W, float>) {
-      p = panel + k0 * kTile;
-    } else if (M <= 6) {      // one block of rows: widen in registers, no buffer round trip
-      switch (M) {
-        case 6: micro<6, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
-        case 5: micro<5, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
-        case 4: micro<4, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
-        case 3: micro<3, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
-        case 2: micro<2, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
-        default: micro<1, W>(x + k0, panel + k0 * kTile, out, K, ldo, 0, 0, k1 - k0, first); break;
-      }
-      continue;
+      p = chunk;
     } else {
-      for (int64_t i = 0; i < (k1 - k0) * kTile; i += 16) store16(buf + i, load_w(panel + k0 * kTile + i));
+      for (int64_t i = 0; i < kn * kTile; i += 16) store16(buf + i, load_w(chunk + i));
       p = buf;
     }
-    int64_t m = 0;
-    for (; m + 6 <= M; m += 6) micro<6>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first);
-    switch (M - m) {
-      case 5: micro<5>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
-      case 4: micro<4>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
-      case 3: micro<3>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
-      case 2: micro<2>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
-      case 1: micro<1>(x + k0, p, out, K, ldo, m, 0, k1 - k0, first); break;
-      default: break;
-    }
+    for (int64_t m = 0; m < M; m += 6) micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first);
   }
   if (scale != nullptr) {
     for (int64_t m = 0; m < M; ++m)
