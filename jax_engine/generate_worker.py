@@ -174,9 +174,9 @@ class GenerateWorker:
             raise AlreadyExists(f"request_id {req.request_id!r} is already active")
         self._check_queue()
         p = req.params
-        seed = p.seed if p.seed is not None else random.getrandbits(32)
+        seed = p.seed if p.seed is not None else random.getrandbits(64)
         r = Request(request_id=req.request_id, prompt_ids=ids, params=p, sink=sink, max_new_tokens=max_new,
-                    priority=req.priority, seed=seed & 0xFFFFFFFF)
+                    priority=req.priority, seed=seed)
         for i in range(p.n):
             r.seqs.append(Sequence(req=r, index=i, detok=IncrementalDetokenizer(
                 self.tokenizer, ids, p.skip_special_tokens, list(p.stop), p.include_stop_str_in_output)))

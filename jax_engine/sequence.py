@@ -73,4 +73,4 @@ class Sequence:
 
     @property
     def seed(self) -> int:
-        return (self.req.seed + self.index * 0x9E3779B9) & 0xFFFFFFFF
+        return (self.req.seed + self.index * 0x9E3779B9) & 0xFFFFFFFFFFFFFFFF
