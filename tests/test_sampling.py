@@ -130,3 +130,10 @@ def test_banned_and_masked_tokens_are_never_drawn():
     logits[:150] = S.NEG_INF                  # a -inf-like mask over half the vocabulary
     got, _ = draw_support(logits, dict(temperature=1.0), 256)
     assert min(got) >= 150
+
+
+def test_ties_at_the_cut_are_kept():
+    """One threshold per row: tokens tied with the last kept one stay (as vLLM's top-k mask)."""
+    logits = np.array([2.0, 1.0, 2.0, 2.0, 0.5], np.float32)
+    got, _ = draw_support(logits, dict(top_k=2), 256)
+    assert got == {0, 2, 3}
