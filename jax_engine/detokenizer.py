@@ -12,9 +12,10 @@ from typing import Optional
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool, stops: list[str],
-                 include_stop: bool):
+                 include_stop: bool, spaces_between_special_tokens: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens
+        self.spaces = spaces_between_special_tokens
         self.stops = stops
         self.include_stop = include_stop
         self.ids: list[int] = list(prompt_ids[-6:])   # a little context for correct spacing
@@ -26,7 +27,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False,
+                               spaces_between_special_tokens=self.spaces)
 
     def add(self, token_id: int) -> Optional[str]:
         """Append a token; returns the matched stop string if generation must stop."""

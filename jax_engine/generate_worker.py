@@ -23,7 +23,7 @@ from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.demo_model import is_demo_model
 from jax_engine.detokenizer import IncrementalDetokenizer
 from jax_engine.errors import Internal, InvalidRequest, Overloaded
-from jax_engine.kernels import cpu as cpu_kernels
+from jax_engine.kernels import choose as cpu_matmul
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig
 from jax_engine.models.llama_weights import count_params, load_hf_params
@@ -87,8 +87,10 @@ class GenerateWorker:
         self.page_size = spec.page_size or args.page_size
         self.cfg = dataclasses.replace(self.cfg, attention_backend=attention.resolve(
             args.attention_backend, self.cfg, self.page_size, self.dtype, tp))   # jax_engine/attention
-        self.cfg = dataclasses.replace(self.cfg, matmul=cpu_kernels.resolve(
-            args.cpu_matmul, backend.platform(), self.dtype, quant, tp))           # jax_engine/kernels
+        self.cfg = cpu_matmul.configure(                                        # jax_engine/kernels/choose.py
+            args.cpu_matmul, self.cfg, backend.platform(), self.dtype, quant, tp,
+            decode_rows=spec.max_running_requests or args.max_running_requests,
+            prefill_tokens=spec.max_num_batched_tokens or args.max_num_batched_tokens)
         max_running = spec.max_running_requests or args.max_running_requests
         max_tokens = spec.max_num_batched_tokens or args.max_num_batched_tokens
         self.tokenizer = load_tokenizer(spec.path)
@@ -179,7 +181,8 @@ class GenerateWorker:
                     priority=req.priority, seed=seed)
         for i in range(p.n):
             r.seqs.append(Sequence(req=r, index=i, detok=IncrementalDetokenizer(
-                self.tokenizer, ids, p.skip_special_tokens, list(p.stop), p.include_stop_str_in_output)))
+                self.tokenizer, ids, p.skip_special_tokens, list(p.stop), p.include_stop_str_in_output,
+                p.spaces_between_special_tokens)))
         sched.submit(r)
         return req.request_id
 

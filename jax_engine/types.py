@@ -32,6 +32,7 @@ class SamplingParams:
     top_logprobs: int = 0             # top-N alternatives per position (<= engine's static max)
     prompt_logprobs_start: Optional[int] = None  # None = no prompt logprobs; else first position
     skip_special_tokens: bool = True  # for the text the engine detokenizes
+    spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode (fast ones ignore it)
     include_stop_str_in_output: bool = False
 
 

@@ -17,7 +17,6 @@ layer index > 0. Only real tokens are compared (padding tokens' outputs are disc
 from __future__ import annotations
 
 import math
-import re
 from types import SimpleNamespace
 
 import jax
@@ -139,17 +138,29 @@ def test_pallas_tpu_layout_and_metadata_match_reference(name, case, window):
     np.testing.assert_allclose(sc.run(tpu_ref_backend(), cfg), sc.run(Reference(), cfg), atol=2e-5, rtol=2e-5)
 
 
+# The one known upstream limitation: with jax 0.10.2 the Pallas TPU interpreter cannot index
+# through a reshaped ref, so the Mosaic kernel fails inside its interpret-mode callback (surfacing
+# as a JaxRuntimeError whose text carries the AttributeError). Anything else is a real failure.
+MOSAIC_INTERPRET_JAX = "0.10.2"
+MOSAIC_INTERPRET_ERROR = "AttributeError: 'ReshapeTransform' object has no attribute 'indices'"
+
+
+def _known_mosaic_interpret_failure(e: Exception) -> bool:
+    return (jax.__version__ == MOSAIC_INTERPRET_JAX and isinstance(e, jax.errors.JaxRuntimeError)
+            and MOSAIC_INTERPRET_ERROR in str(e))
+
+
 def test_pallas_tpu_kernel_in_interpret_mode():
     sc = Scenario(**PREFILL, d=128)                   # the kernel wants head_dim a multiple of 128 (lanes)
     cfg = small_cfg(head_dim=128)
     try:
         got = sc.run(PallasTPU(interpret=True, block_sizes=(1, 8)), cfg)
-    except Exception as e:  # noqa: BLE001 - the reason is reported verbatim
-        errs = [line.strip() for line in str(e).splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
-        why = errs[-1] if errs else f"{type(e).__name__}: {e}"
+    except Exception as e:
+        if not _known_mosaic_interpret_failure(e):
+            raise
         pytest.skip(f"jax {jax.__version__}: the Mosaic ragged_paged_attention kernel does not run in TPU "
-                    f"interpret mode on CPU ({why[:200]}); our layout and metadata are checked against "
-                    "ref_ragged_paged_attention instead")
+                    f"interpret mode on CPU ({MOSAIC_INTERPRET_ERROR}); our layout and metadata are checked "
+                    "against ref_ragged_paged_attention instead")
     np.testing.assert_allclose(got, sc.run(Reference(), cfg), atol=2e-5, rtol=2e-5)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -30,6 +31,7 @@ from jax_engine.errors import EngineError, InvalidRequest, NotFound
 from jax_engine.types import GenerateRequest, ModelInfo, SamplingParams
 
 SERVICE = "allspark.allspark_service.AllSpark"
+log = logging.getLogger("xlaserve.allspark")
 # Lifecycle and file-reading RPCs: refused unless admin is enabled (frontends/grpc/server.py).
 ADMIN_METHODS = frozenset({
     "BuildModelFromConfigStruct", "ReloadModelToDeviceMemory", "UnloadModelFromDeviceMemory",
@@ -230,9 +232,9 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
         try:
             st, req = self._prepare(request, uid)
         except _Refused as e:
-            return pb.StartRequestResponse(as_status=e.status, uuid=uid)
+            return _refusal(context, uid, e.status, str(e))
         except EngineError as e:
-            return pb.StartRequestResponse(as_status=as_status(e), uuid=uid)
+            return _refusal(context, uid, as_status(e), e.message)
         self.requests[uid] = st  # reserve the uuid before yielding to the loop
         refused: list[BaseException] = []
         st.task = asyncio.create_task(self._consume(st, self.engine.generate(req), refused))
@@ -241,7 +243,9 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
         await asyncio.sleep(0)
         if refused:
             self.requests.pop(uid, None)
-            return pb.StartRequestResponse(as_status=as_status(refused[0]), uuid=uid)
+            err = refused[0]
+            message = err.message if isinstance(err, EngineError) else f"internal error: {type(err).__name__}"
+            return _refusal(context, uid, as_status(err), message)
         return pb.StartRequestResponse(as_status=SUCCESS, uuid=uid)
 
     async def StopRequest(self, request: pb.StopRequestRequest, context: Any) -> pb.StartRequestResponse:
@@ -424,20 +428,19 @@ def input_ids_from_proto(inputs: pb.TensorMap, info: ModelInfo) -> list[int]:
 
 def sampling_from_config(c: pb.GenerateConfig, prompt_len: int,
                          info: ModelInfo) -> tuple[SamplingParams, list[list[int]]]:
-    """GenerateConfig -> engine params. max_length / min_length are totals (prompt included)."""
-    unsupported = (
-        ("num_beams", c.num_beams > 1),
-        ("num_return_sequences", c.num_return_sequences > 1),
-        ("no_repeat_ngram_size", c.no_repeat_ngram_size > 0),
-        ("bad_words_ids", any(len(a.word) for a in c.bad_words_ids.ids)),
-        ("response_format", len(c.response_format) > 0),
-        ("lora_name", bool(c.lora_name)),
-        ("suppress_repetition_in_generation", c.suppress_repetition_in_generation),
-    )
-    for name, is_set in unsupported:
+    """GenerateConfig -> engine params. max_length / min_length are totals (prompt included).
+
+    Honoured: do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty,
+    min_length, max_length, early_stopping + eos_token_id, stop_words_ids, seed (all 64 bits).
+    Refused when set (PARAM_ERROR, the reason in the `allspark-error` trailer): the fields in
+    `_unsupported`. Accepted without effect, as upstream: length_penalty (beam search only, and
+    num_beams > 1 is refused), input_len (deprecated, filled internally), async /
+    async_token_num / first_token_num / loop_context (scheduling hints), vocab / vocab_type
+    (only read with response_format, which is refused), uuid (the request key)."""
+    for name, is_set in _unsupported(c):
         if is_set:
-            raise _Refused(PARAM_ERROR, f"config.{name} is not supported")
-    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty"):
+            raise _Refused(PARAM_ERROR, f"config.{name} is not supported by this server")
+    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "length_penalty"):
         value = getattr(c, name)
         if not math.isfinite(value):  # NaN would otherwise read as "unset" below
             raise _Refused(PARAM_ERROR, f"config.{name} must be a finite number, got {value}")
@@ -475,6 +478,40 @@ def sampling_from_config(c: pb.GenerateConfig, prompt_len: int,
         seed=c.seed & 0xFFFFFFFFFFFFFFFF,
     )
     return params, multi
+
+
+def _unsupported(c: pb.GenerateConfig) -> tuple[tuple[str, bool], ...]:
+    """(field, set to a value the engine cannot honour) for every GenerateConfig field refused."""
+    return (
+        ("num_beams", c.num_beams > 1),
+        ("num_return_sequences", c.num_return_sequences > 1),
+        ("no_repeat_ngram_size", c.no_repeat_ngram_size > 0),
+        ("bad_words_ids", any(len(a.word) for a in c.bad_words_ids.ids)),
+        ("response_format", len(c.response_format) > 0),
+        ("lora_name", bool(c.lora_name)),
+        ("suppress_repetition_in_generation", c.suppress_repetition_in_generation),
+        # per-row arrays of a batched call: one request here has one top_k / top_p / seed
+        ("top_k_arr", len(c.top_k_arr) > 0),
+        ("top_p_arr", len(c.top_p_arr) > 0),
+        ("seed_arr", len(c.seed_arr) > 0),
+        ("probe_only", c.probe_only),
+    )
+
+
+ERROR_TRAILER = "allspark-error"
+
+
+def _refusal(context: Any, uid: str, status: int, message: str) -> pb.StartRequestResponse:
+    """A refused StartRequest: the status in-band (gRPC OK, as upstream) and the reason, which
+    names the field, in the `allspark-error` trailer (the JSON mirror: `trailer-allspark-error`)."""
+    log.info("StartRequest %s refused (as_status %d): %s", uid, status, message)
+    context.set_trailing_metadata(((ERROR_TRAILER, _ascii_line(message)),))
+    return pb.StartRequestResponse(as_status=status, uuid=uid)
+
+
+def _ascii_line(text: str, limit: int = 1024) -> str:
+    """`text` as a legal metadata value: printable ASCII, one line, bounded."""
+    return "".join(ch if " " <= ch <= "~" else "?" for ch in text)[:limit]
 
 
 def _final_status(reason: Optional[str], stop_requested: bool) -> int:

@@ -235,15 +235,21 @@ MAX_PING_STRIKES = 2                     # ...and after this many the connection
 MAX_CONNECTION_IDLE_MS = 15 * 60_000     # idle connections are closed
 MAX_CONNECTION_AGE_MS = 60 * 60_000      # every connection is recycled after an hour...
 MAX_CONNECTION_AGE_GRACE_MS = 10 * 60_000  # ...with 10 minutes for its streams to finish
+# Request metadata (HPACK size: name + value + 32 bytes per entry, pseudo-headers included) over
+# this gets RESOURCE_EXHAUSTED "received metadata size exceeds hard limit (N vs. 16384)". The soft
+# limit equals the hard one: between the two grpc core rejects at random (default soft 8 KiB).
+MAX_METADATA_BYTES = 16 * 1024
 
 
 def server_options(max_message_bytes: int,
                    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS) -> list[tuple[str, int]]:
-    """grpc.aio server channel arguments: message size limits plus the HTTP/2 abuse bounds."""
+    """grpc.aio server channel arguments: message and metadata size limits plus the HTTP/2 abuse bounds."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.max_concurrent_streams", max_concurrent_streams),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),

@@ -97,11 +97,18 @@ class SglangServicer(pb_grpc.SglangSchedulerServicer):
             if model is None:
                 raise InvalidRequest("is_cross_encoder needs a served classification (cross-encoder) model")
             return EmbedRequest(request_id=rid, pairs=list(zip(texts[0::2], texts[1::2])), model=model)
-        if not request.HasField("tokenized") or not request.tokenized.input_ids:
-            raise InvalidRequest("tokenized.input_ids is required and must not be empty")
         model = _first_model(self.engine, "embed") or _first_model(self.engine, "classify")
         if model is None:
             raise InvalidRequest("no embedding model is served")
+        has_ids = request.HasField("tokenized") and bool(request.tokenized.input_ids)
+        if request.texts:
+            # Texts are embedded (tokenized here), one vector per text in batch_embeddings.
+            if has_ids or request.token_type_ids:
+                raise InvalidRequest("texts and tokenized.input_ids / token_type_ids are mutually exclusive: "
+                                     "send either texts or one tokenized input")
+            return EmbedRequest(request_id=rid, texts=list(request.texts), model=model)
+        if not has_ids:
+            raise InvalidRequest("tokenized.input_ids (or texts) is required and must not be empty")
         tt = [list(request.token_type_ids)] if request.token_type_ids else None
         return EmbedRequest(request_id=rid, token_ids=[list(request.tokenized.input_ids)],
                             token_type_ids=tt, model=model)
@@ -238,7 +245,8 @@ def build_generate_request(request: pb.GenerateRequest, info: ModelInfo) -> tupl
         raise InvalidRequest(f"tokenized.input_ids: {n_ids} tokens exceeds the limit of {info.max_model_len - 1} "
                              f"(context length {info.max_model_len})")
     prompt = list(request.tokenized.input_ids)
-    params, interval = sampling_from_proto(request.sampling_params if request.HasField("sampling_params") else None)
+    explicit = request.sampling_params if request.HasField("sampling_params") else None
+    params, interval = sampling_from_proto(explicit)
     if params.max_new_tokens is not None:
         # SGLang clips a requested max_new_tokens to the room left in the context.
         room = info.max_model_len - len(prompt)
@@ -256,7 +264,9 @@ def build_generate_request(request: pb.GenerateRequest, info: ModelInfo) -> tupl
 
 
 def sampling_from_proto(p: Optional[pb.SamplingParams]) -> tuple[SamplingParams, int]:
-    """Absent message = semantic defaults; explicit zero values read as SGLang reads them."""
+    """Absent message = semantic defaults (as the spec recommends: temperature 1, i.e. sampled,
+    top_p 1, top_k off, n 1, skip_special_tokens true); explicit zero values read as SGLang reads
+    them. There is no seed field: every request draws from a fresh random seed."""
     if p is None:
         return SamplingParams(), 1
     constraint = p.WhichOneof("constraint")
@@ -295,6 +305,7 @@ def sampling_from_proto(p: Optional[pb.SamplingParams]) -> tuple[SamplingParams,
         logit_bias=bias,
         n=max(1, p.n),
         skip_special_tokens=p.skip_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens,  # to decode, as SGLang does
         include_stop_str_in_output=p.no_stop_trim,
     )
     return sp, max(1, interval)

@@ -5,6 +5,7 @@ objects as the gRPC server with a small stand-in for grpc.aio.ServicerContext. B
 proto3 JSON mapping (lowerCamelCase out, either spelling in, unknown fields rejected).
 Server-streaming methods answer NDJSON, or Server-Sent Events with `Accept: text/event-stream`.
 Errors: HTTP status from frontends/errors.py and a Connect-style body {"code", "message"}.
+A unary reply's trailing metadata comes back as `trailer-<key>` headers (Connect's unary rule).
 A client that goes away cancels the servicer call, which aborts the engine request.
 """
 from __future__ import annotations
@@ -189,7 +190,7 @@ def _endpoint(path: str, method: Any, call: Callable[..., Any], policy: AccessPo
             ctx._finish()
         if ctx.code() not in (None, grpc.StatusCode.OK):
             return _error(ctx.code(), ctx.details())
-        return Response(_json_line(reply), media_type="application/json")
+        return Response(_json_line(reply), media_type="application/json", headers=_trailer_headers(ctx))
 
     return endpoint
 
@@ -281,6 +282,12 @@ async def _disconnected(request: Request) -> None:
 def _json_line(message: Any) -> str:
     data = json_format.MessageToDict(message, preserving_proto_field_name=False)
     return json.dumps(data, separators=(",", ":"))
+
+
+def _trailer_headers(ctx: MirrorContext) -> dict[str, str]:
+    """A unary reply's trailing metadata as `trailer-<key>` headers (the Connect protocol's
+    unary rule), e.g. AllSpark's `allspark-error` reason beside an in-band error status."""
+    return {f"trailer-{key}": value for key, value in ctx.trailing_metadata() if isinstance(value, str)}
 
 
 def _frame(line: str, sse: bool, event: Optional[str] = None) -> str:

@@ -87,7 +87,9 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64,
+                                description="int64 as in OpenAI (negatives are read as two's complement, "
+                                            "seed mod 2^64) or any unsigned 64-bit value")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, description="accepted for compatibility; not used")
@@ -112,6 +114,9 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
+    """A content part. Extra keys are kept (not forbidden) so that a non-text part is refused by
+    its `type` first; `_message_text` then refuses any unknown key of a text part by name."""
+
     model_config = ConfigDict(extra="allow")
     type: str
     text: Optional[str] = None
@@ -198,15 +203,42 @@ def _refuse_unsupported(body: BaseModel) -> None:
     for name, allowed in neutral.items():
         if name in type(body).model_fields and getattr(body, name) not in allowed:
             raise field_error(name, f"{name}={getattr(body, name)!r} is not supported by this server")
-    if isinstance(body, CompletionRequest) and body.best_of not in (None, 1, body.n):
-        raise field_error("best_of", "best_of other than 1 (or equal to n) is not supported")
+    if isinstance(body, CompletionRequest):
+        _check_best_of(body)
     if isinstance(body, ChatCompletionRequest):
         if body.response_format not in (None, {"type": "text"}):
             raise field_error("response_format", "only response_format {\"type\": \"text\"} is supported")
         if body.tool_choice not in (None, "none", "auto"):
             raise field_error("tool_choice", "tool calling is not supported")
+        if body.parallel_tool_calls is not None:
+            # OpenAI allows it only together with `tools`, which are refused here (no tool calling);
+            # the official client sends it only when the caller sets it.
+            raise field_error("parallel_tool_calls", "parallel_tool_calls is only allowed with tools, "
+                                                     "and tool calling is not supported by this server")
+        _check_max_tokens_pair(body)
     if body.stream_options is not None and not body.stream:
         raise field_error("stream_options", "stream_options is only allowed when stream is true")
+
+
+def _check_best_of(body: CompletionRequest) -> None:
+    """OpenAI's best_of generates best_of candidates and returns the n with the highest mean
+    logprob, so best_of == n returns every candidate: exactly n sequences, which is what runs.
+    best_of < n is invalid (as in OpenAI); best_of > n (candidate ranking) is not implemented."""
+    if body.best_of is None or body.best_of == body.n:
+        return
+    if body.best_of < body.n:
+        raise field_error("best_of", f"best_of must be at least n (got best_of={body.best_of}, n={body.n})")
+    raise field_error("best_of", f"best_of > n is not supported (got best_of={body.best_of}, n={body.n}): "
+                                 "candidates are not ranked; use n")
+
+
+def _check_max_tokens_pair(body: ChatCompletionRequest) -> None:
+    """max_tokens is OpenAI's deprecated alias of max_completion_tokens: both may be sent only
+    with the same value (no silent choice between two different limits)."""
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise field_error("max_tokens", f"max_tokens ({body.max_tokens}) and max_completion_tokens "
+                                        f"({body.max_completion_tokens}) differ; send only max_completion_tokens")
 
 
 def _sampling_params(engine, body: _SamplingFields, *, max_tokens: Optional[int],
@@ -245,7 +277,7 @@ def _sampling_params(engine, body: _SamplingFields, *, max_tokens: Optional[int]
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logit_bias=bias,
-        seed=None if body.seed is None else body.seed % 2**64,  # OpenAI seeds are int64
+        seed=None if body.seed is None else body.seed % 2**64,  # two's complement: -1 -> 2^64 - 1
         n=body.n,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -833,6 +865,24 @@ def _chat_chars(messages: list[ChatMessage]) -> int:
     return total
 
 
+def _message_text(m: ChatMessage, i: int) -> str:
+    """A message's content as one string: text parts joined; any other part type, a text part
+    without text, or an unknown key in a part is refused naming it."""
+    if not isinstance(m.content, list):
+        return m.content or ""
+    parts = []
+    for j, part in enumerate(m.content):
+        where = f"messages[{i}].content[{j}]"
+        if part.type != "text" or part.text is None:
+            raise field_error(f"{where}.type", f"content part type {part.type!r} is not supported (text only)")
+        unknown = next(iter(part.model_extra or {}), None)
+        if unknown is not None:
+            raise field_error(f"{where}.{unknown}", f"{where}.{unknown}: unknown key in a text content part "
+                                                    "(a text part has only 'type' and 'text')")
+        parts.append(part.text)
+    return "".join(parts)
+
+
 def _render_chat(tokenizer, messages: list[ChatMessage], info: ModelInfo) -> list[int]:
     """Messages -> prompt token ids through the model's own chat template."""
     if not messages:
@@ -845,16 +895,7 @@ def _render_chat(tokenizer, messages: list[ChatMessage], info: ModelInfo) -> lis
             raise field_error(f"messages[{i}].role", "tool messages are not supported (no tool calling)")
         if m.tool_calls:
             raise field_error(f"messages[{i}].tool_calls", "tool calls are not supported")
-        if isinstance(m.content, list):
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise field_error(f"messages[{i}].content[{j}].type",
-                                      f"content part type {part.type!r} is not supported (text only)")
-                parts.append(part.text)
-            content = "".join(parts)
-        else:
-            content = m.content or ""
+        content = _message_text(m, i)
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
