@@ -21,7 +21,6 @@ from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as spb
 from frontends.grpc.gen.sglang import sglang_scheduler_pb2_grpc as spb_grpc
 from frontends.grpc.server import MAX_METADATA_BYTES
 from frontends.grpc.sglang import build_generate_request
-from jax_engine.errors import InvalidRequest
 from tests.conftest import EMBED, GEN
 from tests.test_sampling_mapping import (
     ALLSPARK,
