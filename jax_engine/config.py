@@ -43,7 +43,7 @@ class EngineArgs:
     enable_prefix_cache: bool = True
     compile_cache_dir: Optional[str] = None
     attention_backend: str = "auto"           # auto | reference | pallas (jax_engine/attention/__init__.py)
-    cpu_matmul: str = "auto"                  # auto | xla | kernel (jax_engine/kernels/cpu_gemm.py)
+    cpu_matmul: str = "auto"                  # auto (measure on CPU, jax_engine/kernels/choose.py) | xla | kernel
     # limits enforced at admission (interface.md / reliability_security.md)
     max_prompt_tokens: Optional[int] = None   # None = the model's context
     max_new_tokens_limit: int = 4096

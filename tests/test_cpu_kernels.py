@@ -1,7 +1,7 @@
 """The C++ CPU kernels (jax_engine/kernels/cpu.cc) against NumPy and the reference attention.
 
-The served decoder on CPU uses them by default (--cpu-matmul auto, --attention-backend auto), so
-tests/test_decoder.py's transformers parity runs through them too; here each kernel is pinned
+The served decoder on CPU uses them (--cpu-matmul auto where they measure faster, or kernel;
+--attention-backend auto), and tests/test_decoder.py's transformers parity runs through them too; here each kernel is pinned
 down on awkward shapes: ragged output columns, odd K, stacked layers, rows of different lengths,
 shuffled pages, GQA, sliding windows, a padding row, a head size that is not a multiple of 16.
 """
@@ -144,6 +144,7 @@ def test_prefill_chunks_keep_the_reference_math():
 
 
 def test_resolve_rules():
+    # resolve says where the kernel may run; with auto, choose.py then measures (test_cpu_matmul_choice.py)
     assert K.resolve("auto", "cpu", jnp.float32, "none", 1) == "kernel"
     assert K.resolve("auto", "cpu", jnp.float32, "int8", 1) == "kernel"
     assert K.resolve("auto", "cpu", jnp.bfloat16, "none", 1) == "kernel"
@@ -167,7 +168,16 @@ def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
     assert engine_args(parse_serve_args(["--cpu-matmul", "xla", "--model", f"g={tmp_path}"])).cpu_matmul == "xla"
     with pytest.raises(SystemExit):
         parse_serve_args(["--cpu-matmul", "mkl"])
-    for choice, dtype, want in (("auto", "float32", "kernel"), ("xla", "float32", "xla"), ("auto", "bfloat16", "kernel")):
+    from jax_engine.kernels import choose
+
+    def timer(kernel_s):         # auto measures (choose.py): a deterministic fake timer stands in
+        return lambda case, m, runs: {"xla": 1e-3, "kernel": kernel_s}
+
+    for i, (choice, dtype, want, kernel_s) in enumerate((
+            ("auto", "float32", "kernel", 0.5e-3), ("xla", "float32", "xla", None), ("auto", "bfloat16", "kernel", 0.5e-3),
+            ("auto", "float32", "xla", 2e-3), ("kernel", "float32", "kernel", 2e-3))):
+        monkeypatch.setattr(choose, "default_timer", timer(kernel_s))
+        monkeypatch.setattr(choose, "decision_dir", lambda i=i: str(tmp_path / f"decisions{i}"))
         with small_engine(demo_generator_path, dtype=dtype, cpu_matmul=choice) as engine:
             worker = engine._worker("m")
             runner = worker.replicas[0].runner

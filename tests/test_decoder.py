@@ -50,7 +50,7 @@ def family(request, tmp_path_factory):
     arch, _, variant = request.param.partition("+")
     path = str(tmp_path_factory.mktemp(arch))
     model = hf_models.build(arch, path)
-    kw = dict(cpu_matmul="xla", attention_backend="reference") if variant == "xla" else {}
+    kw = dict(cpu_matmul="xla", attention_backend="reference") if variant == "xla" else dict(cpu_matmul="kernel")
     engine = Engine(small_args(models=[ModelSpec(name="m", path=path)], **kw))
     engine.load_all(progress=False, warmup=False)
     want = ("xla", "reference") if variant == "xla" else ("kernel", "cpu")

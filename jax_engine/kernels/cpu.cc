@@ -10,6 +10,12 @@
 // [L, ...] weight comes whole with a layer index, so a layer scan passes its loop-invariant
 // weights without XLA materialising a per-layer slice. Panels are claimed from an atomic counter
 // by the calling thread and by tasks on XLA's own intra-op pool (parallel_for).
+// Whether this beats XLA's dot depends on the host: jax_engine/kernels/choose.py times both.
+// Build note: load16 / store16 must stay plain vector accesses (see there); with memcpy, an
+// Intel-tuned build (-march=native on Ice Lake) kept the accumulators on the stack and ran 3-4.5x
+// slower (reproduced on Zen 4 with -march=icelake-server: M=16 2.45 vs 0.55 ms, M=512 75 vs 23 ms
+// for 768 x 2048). AVX2-only builds still spill: v16 is two ymm there and 6 x 4 accumulators need
+// 48 of the 16 registers (a 2-3 row tile would fit; not done, choose.py keeps XLA there if slower).
 //
 #include <atomic>
 #include <cstdint>
@@ -41,9 +47,15 @@ using I32x0 = ffi::Buffer<ffi::S32, 0>;
 using Out4 = ffi::ResultBuffer<ffi::F32, 4>;
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));   // unaligned, aliases float
 
-inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+// Plain vector loads and stores, not memcpy: with Intel tuning (-march=native on Skylake-X / Ice
+// Lake / Sapphire Rapids is prefer-vector-width=256) GCC 12 expands a 64-byte memcpy into two
+// 32-byte moves through a stack temporary, which also pushed every accumulator of `micro` onto the
+// stack (an FMA, a load and a store per update, latency-bound): that host ran the kernel 2.5-3x
+// slower than XLA's dot at every M. These compile to one vmovups whatever the tuning.
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // 16 weights as floats: float32 as stored; bfloat16 (uint16_t bits) shifted into the high half;
 // int8 widened (the per-column scale is applied once,
@@ -52,9 +64,7 @@ inline v16 load_w(const float* p) { return load16(p); }
 inline v16 load_w(const uint16_t* p) {
 #ifdef __AVX512F__
   const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  v16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
+  return reinterpret_cast<v16>(_mm512_castsi512_ps(w));   // a register bitcast, never a stack round trip
 #else
   v16 v;
   for (int i = 0; i < 16; ++i) {
@@ -66,10 +76,7 @@ inline v16 load_w(const uint16_t* p) {
 }
 inline v16 load_w(const int8_t* p) {
 #ifdef __AVX512F__
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  v16 v;
-  std::memcpy(&v, &f, sizeof v);
-  return v;
+  return reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 #else
   v16 v;
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
@@ -289,9 +296,7 @@ inline v16 vexp(v16 x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const v16i bits = (ni + 127) << 23;                 // 2^n as a float's bit pattern
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return p * reinterpret_cast<v16>(bits);
 }
 
 inline float dot(const float* a, const float* b, int64_t D) {

@@ -9,7 +9,8 @@ layer scan does not slice (copy) it. Decode attention: see jax_engine/attention/
 The kernel is compiled here with the machine's C++ compiler (-O3 -march=native) on first use and
 cached under $XDG_CACHE_HOME/xlaserve/kernels, keyed by the source, the jaxlib headers, the
 compiler and this CPU's flags. No compiler (or a failed build) means `available()` is False with a
-reason, and `--cpu-matmul auto` falls back to XLA's dot.
+reason, and `--cpu-matmul auto` falls back to XLA's dot. Where it builds, `auto` does not assume the
+kernel is faster: jax_engine/kernels/choose.py times both paths on this host and keeps the faster.
 """
 from __future__ import annotations
 
@@ -59,9 +60,32 @@ def _compiler() -> Optional[str]:
     return None
 
 
-def _cache_dir() -> str:
+def cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "xlaserve", "kernels")
+
+
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+
+def build_key() -> str:
+    """Hash of what the compiled library depends on: the source, jax, the FFI headers, the
+    compiler, this CPU's flags and the build flags (also keys the matmul choice, choose.py)."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
+    if "build_key" in _state:
+        return _state["build_key"]
+    with open(_SOURCE, "rb") as f:
+        src = f.read()
+    cxx_version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(b"\0".join([
+        src, jax.__version__.encode(), jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b"",
+        include.encode(), cxx_version.encode(), _cpu_flags().encode(), " ".join(_FLAGS).encode(),
+    ])).hexdigest()[:16]
+    _state["build_key"] = key
+    return key
 
 
 def _build() -> str:
@@ -72,19 +96,13 @@ def _build() -> str:
     include = jax.ffi.include_dir()
     if not os.path.exists(os.path.join(include, "xla", "ffi", "api", "ffi.h")):
         raise RuntimeError(f"jaxlib ships no XLA FFI headers under {include}")
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
-    with open(_SOURCE, "rb") as f:
-        src = f.read()
-    cxx_version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(b"\0".join([
-        src, jax.__version__.encode(), jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b"",
-        include.encode(), cxx_version.encode(), _cpu_flags().encode(), " ".join(flags).encode(),
-    ])).hexdigest()[:16]
-    out = os.path.join(_cache_dir(), f"cpu-{key}.so")
+    flags = _FLAGS
+    key = build_key()
+    out = os.path.join(cache_dir(), f"cpu-{key}.so")
     if os.path.exists(out):
         return out
-    os.makedirs(_cache_dir(), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+    os.makedirs(cache_dir(), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
     os.close(fd)
     try:
         r = subprocess.run([cxx, *flags, "-I", include, _SOURCE, "-o", tmp], capture_output=True, text=True, timeout=300)
@@ -188,7 +206,9 @@ def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, page_table: jax
     [B, P]; keys s <= positions[b], s < kv_lens[b] (and s > positions[b] - window if window > 0).
     Returns [B, KVH, G, D] float32; rows with no valid key are zeros."""
     _require()
-    i32 = lambda a: jnp.asarray(a, jnp.int32)
+
+    def i32(a: Any) -> jax.Array:
+        return jnp.asarray(a, jnp.int32)
     return jax.ffi.ffi_call(ATTN_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), kc, vc, i32(page_table), i32(kv_lens), i32(positions), i32(layer).reshape(()),
         page_size=int(page_size), window=int(window), scale=np.float32(scale))
@@ -209,14 +229,16 @@ CHOICES = ("auto", "xla", "kernel")
 
 
 def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
-    """--cpu-matmul: 'kernel' or 'xla' for a decoder. auto = the kernel wherever it applies
-    (CPU, float32 or bfloat16 weights or weight-only int8, tp 1) and builds; asking for 'kernel' where it cannot run is an
-    error rather than a silent fallback."""
+    """--cpu-matmul without measuring: 'kernel' where the kernel can run (CPU, float32 or bfloat16
+    weights or weight-only int8, tp 1, and it builds), else 'xla'. 'xla' forces XLA's dot; asking
+    for 'kernel' where it cannot run is an error rather than a silent fallback. With 'auto' a
+    'kernel' answer means "eligible": choose.configure then times both paths and keeps the faster."""
     from jax_engine.errors import InvalidRequest
 
     if choice not in CHOICES:
         raise InvalidRequest(f"--cpu-matmul {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "xla":
+        log.info("decoder matmuls: XLA dot (--cpu-matmul xla)")
         return "xla"
     why = None
     if plat != "cpu":
@@ -230,7 +252,8 @@ def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
     elif not available():
         why = reason()
     if why is None:
-        log.info("decoder matmuls: packed-panel CPU kernel")
+        if choice == "kernel":
+            log.info("decoder matmuls: packed-panel CPU kernel (--cpu-matmul kernel)")
         return "kernel"
     if choice == "kernel":
         raise InvalidRequest(f"--cpu-matmul kernel: {why}; use auto or xla")

@@ -12,7 +12,11 @@ Weight layout (chosen for fused matmuls and clean tensor-parallel sharding):
   down  [L, I, H]            row-parallel over I
 Linear weights are either arrays or {"q": int8, "s": per-output-channel scale} (weight-only int8).
 With cfg.matmul == "kernel" (CPU) the four layer matrices and the LM head are instead packed into
-64-column panels [L, P, K, 64] by `pack_for_kernel`, for jax_engine/kernels/cpu.py.
+64-column panels [L, P, K, 64] by `pack_for_kernel`, for jax_engine/kernels/cpu.py. With "mixed"
+(--cpu-matmul auto measured a different winner per matrix or per row count, jax_engine/kernels/
+choose.py) cfg.matmul_plan routes each matmul by its static row count M: a matrix only the kernel
+serves is packed in place of its layout, one served by both keeps its layout and gets a packed copy
+under "<name>_panels".
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import numpy as np
 from jax_engine import attention
 from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as cpu_kernels
+from jax_engine.kernels.choose import MatmulPlan
 from jax_engine.models.registry import DECODERS, architecture_of
 
 Params = dict[str, Any]
@@ -58,8 +63,10 @@ class LlamaConfig:
     # jax_engine/attention backend; the served path sets it from --attention-backend (attention.resolve)
     attention_backend: str = "reference"
     # "xla": einsum over the layouts above; "kernel": packed [L, P, K, 64] weights and the CPU
-    # custom call (jax_engine/kernels/cpu.py); the served path sets it from --cpu-matmul
+    # custom call (jax_engine/kernels/cpu.py); "mixed": per matrix and row count, as matmul_plan
+    # says (jax_engine/kernels/choose.py); the served path sets both from --cpu-matmul
     matmul: str = "xla"
+    matmul_plan: Optional[MatmulPlan] = None
 
     @property
     def group(self) -> int:
@@ -178,24 +185,25 @@ def forward(
     attn = attention.get(cfg.attention_backend)
     meta = attn.prepare(cfg, inp, page_size)                         # masks / kernel metadata, once per step
 
-    kernel = cfg.matmul == "kernel"
     layers = params["layers"]
-    # the kernel takes each stacked matrix whole plus the layer index (no per-layer slice copy);
-    # the scan then runs over the small per-layer tensors only
-    big = {k: layers[k] for k in PACKED} if kernel else {}
-    xs = {k: v for k, v in layers.items() if k not in big}
+    M = math.prod(inp.tokens.shape)                                  # rows of every layer matmul in this program
+    # a kernel-routed matrix is taken whole (stacked) with the layer index: no per-layer slice copy;
+    # the scan runs over the XLA-routed matrices and the small per-layer tensors only
+    big = {k: layers[panels_key(cfg, k)] for k in PACKED if matmul_path(cfg, k, M) == "kernel"}
+    skip = set(big) | {f"{k}_panels" for k in PACKED}               # a second layout the scan must not slice
+    xs = {k: v for k, v in layers.items() if k not in skip}
     kvh_r = cfg.num_kv_heads * cfg.kv_repeat
 
-    def mm(name, lp, li, v, spec, k_dims, out_tail):
+    def mm(name, lp, li, v, out_tail):
         """One layer matmul; out_tail (the unsharded output dims) is what the kernel path needs."""
-        if kernel:
-            return cpu_kernels.linear(v, big[name], li, k_dims, out_tail).astype(v.dtype)
-        return linear(v, lp[name], spec)
+        if name in big:
+            return cpu_kernels.linear(v, big[name], li, _K_DIMS[name], out_tail).astype(v.dtype)
+        return linear(v, lp[name], SPECS[name])
 
     def layer(carry, lp):
         x, kc, vc, li = carry
         h = rms_norm(x, lp["ln1"], cfg.rms_eps)
-        qkv = mm("qkv", lp, li, h, "bth,hkgd->btkgd", 1, (kvh_r, G + 2, cfg.head_dim))   # [B, Tq, KVH, G+2, D]
+        qkv = mm("qkv", lp, li, h, (kvh_r, G + 2, cfg.head_dim))   # [B, Tq, KVH, G+2, D]
         if cfg.qkv_bias:
             qkv = qkv + lp["qkv_b"].astype(qkv.dtype)
         q, k, v = qkv[..., :G, :], qkv[..., G, :], qkv[..., G + 1, :]
@@ -206,10 +214,10 @@ def forward(
         k = rope(k, q_pos, inv_freq, cfg.rope_attention_factor)
         kc, vc = attn.write(kc, vc, li, k, v, meta)
         a = attn.attend(q, kc, vc, li, meta).astype(x.dtype)         # [B, Tq, KVH, G, D]
-        x = x + mm("o", lp, li, a, "btkgd,kgdh->bth", 3, (cfg.hidden_size,))
+        x = x + mm("o", lp, li, a, (cfg.hidden_size,))
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
-        gu = mm("gate_up", lp, li, h, "bth,hci->btci", 1, (2, cfg.intermediate_size))
-        x = x + mm("down", lp, li, jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], "bti,ih->bth", 1, (cfg.hidden_size,))
+        gu = mm("gate_up", lp, li, h, (2, cfg.intermediate_size))
+        x = x + mm("down", lp, li, jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], (cfg.hidden_size,))
         return (x, kc, vc, li + 1), None
 
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, (x, k_cache, v_cache, jnp.int32(0)), xs,
@@ -219,8 +227,8 @@ def forward(
 
 def lm_head(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
     """Logits in float32 for hidden states [..., H]."""
-    if cfg.matmul == "kernel":
-        return cpu_kernels.linear(h, params["lm_head"], 0, 1, (cfg.vocab_size,))
+    if matmul_path(cfg, "lm_head", math.prod(h.shape[:-1])) == "kernel":
+        return cpu_kernels.linear(h, params[panels_key(cfg, "lm_head")], 0, 1, (cfg.vocab_size,))
     if cfg.tie_embeddings:
         return jnp.einsum("...h,vh->...v", h, params["embed"], preferred_element_type=jnp.float32)
     w = params["lm_head"]
@@ -230,18 +238,56 @@ def lm_head(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
 
 
 PACKED = ("qkv", "o", "gate_up", "down")
+MATRICES = PACKED + ("lm_head",)         # every matmul cfg.matmul routes
 _K_DIMS = {"qkv": 1, "o": 3, "gate_up": 1, "down": 1}
+SPECS = {"qkv": "bth,hkgd->btkgd", "o": "btkgd,kgdh->bth", "gate_up": "bth,hci->btci", "down": "bti,ih->bth"}
+
+
+def matmul_dims(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(contraction dims, output dims) of each layer matrix's einsum (SPECS) and of the LM head,
+    as `forward` and `lm_head` run them (unsharded)."""
+    G = cfg.num_heads // (cfg.num_kv_heads * cfg.kv_repeat)
+    kvh, D, H, inter = cfg.num_kv_heads * cfg.kv_repeat, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": ((H,), (kvh, G + 2, D)), "o": ((kvh, G, D), (H,)), "gate_up": ((H,), (2, inter)), "down": ((inter,), (H,)),
+            "lm_head": ((H,), (cfg.vocab_size,))}
+
+
+def matmul_path(cfg: LlamaConfig, name: str, m: int) -> str:
+    """The path ("xla" or "kernel") of matrix `name` multiplying m rows (static at trace time)."""
+    if cfg.matmul == "mixed":
+        assert cfg.matmul_plan is not None
+        return cfg.matmul_plan.path(name, m)
+    return cfg.matmul
+
+
+def _layouts(cfg: LlamaConfig, name: str) -> frozenset[str]:
+    if cfg.matmul == "mixed":
+        assert cfg.matmul_plan is not None
+        return cfg.matmul_plan.layouts(name)
+    return frozenset({cfg.matmul})
+
+
+def panels_key(cfg: LlamaConfig, name: str) -> str:
+    """Where the packed panels of `name` live (in params["layers"] for a layer matrix, else in
+    params): in its own slot when only the kernel serves it, "<name>_panels" next to the XLA layout
+    when both paths do."""
+    return f"{name}_panels" if _layouts(cfg, name) == {"xla", "kernel"} else name
 
 
 def pack_for_kernel(params: Params, cfg: LlamaConfig) -> Params:
-    """The layer matrices and the LM head (for tied embeddings, a packed copy of embed^T) in the
-    kernel's panel layout; everything else unchanged. The unpacked matrices are dropped."""
-    if cfg.matmul != "kernel":
+    """The matrices the kernel serves (all of them with cfg.matmul == "kernel"; those the plan
+    routes to it with "mixed") in the kernel's panel layout; for tied embeddings a packed copy of
+    embed^T. A matrix only the kernel serves loses its XLA layout; everything else is unchanged."""
+    if cfg.matmul == "xla":
         return params
     out = dict(params)
     out["layers"] = dict(params["layers"])
-    for name in PACKED:
-        out["layers"][name] = cpu_kernels.pack(params["layers"][name], _K_DIMS[name], stacked=True)
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    out["lm_head"] = cpu_kernels.pack(head, 1, stacked=False)
+    for name in MATRICES:
+        if "kernel" not in _layouts(cfg, name):
+            continue
+        if name == "lm_head":
+            head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+            out[panels_key(cfg, name)] = cpu_kernels.pack(head, 1, stacked=False)
+        else:
+            out["layers"][panels_key(cfg, name)] = cpu_kernels.pack(params["layers"][name], _K_DIMS[name], stacked=True)
     return out

@@ -1,0 +1,491 @@
+"""--cpu-matmul auto: time XLA's dot against the packed-panel kernel on this host and keep the faster.
+
+Why measure: which path wins depends on the host, not only on the shapes. Weights 768 x 2048
+float32, median ms per layer (M = rows multiplied at once):
+
+    M                           1      4     16     64    128    512   2048
+    this host (2 vCPU Zen 4,
+      1 MiB L2, 32 MiB L3)
+      XLA dot                1.04   0.85   0.81   3.94   6.07   18.2   71.4
+      kernel                 0.52   0.38   0.53   2.82   4.85   17.5   73.9
+    a 2 vCPU Intel host (AVX-512 VNNI, no AMX, 1.25 MiB L2, ~16 GB/s)
+      XLA dot                0.62      -    2.8      -    9.9      -     82
+      kernel                 1.56      -    6.4      -     26      -    238
+
+so a fixed rule ("the kernel on CPU") is 2.5-3x too slow there, and even here the kernel's lead
+fades above a few hundred rows.
+
+What is timed (`choose`): for each matrix of the served decoder (qkv, o, gate_up, down and the LM
+head) both paths on synthetic weights with the model's real contraction size, layout and dtype
+(float32 / bfloat16 arrays, or weight-only int8 {"q", "s"}): XLA's einsum over the model's layout
+inside a `lax.scan` over stacked layers (as `llama.forward` runs it, slicing included), and the
+kernel on packed panels with the layer index. Row counts: 1 and the largest decode batch D
+(--max-running-requests) for the "decode" class (M <= D), and the largest prefill chunk T
+(--max-num-batched-tokens) for "prefill" (M > D). The LM head is timed at decode rows only: it
+multiplies more than D rows only for prompt logprobs (opt-in), which follow its decode choice.
+Cost bounds, so a cold start on 2 cores pays a few seconds (nothing on a warm start, which reads
+the cached decision): a decode point streams about 2 x the last-level cache (64-256 MiB, from
+several stacked layers, or fewer output columns of a larger matrix) so it is DRAM-bound as in
+serving; a prefill point keeps >= 512 output columns and ~0.5 GFLOP per layer. Both paths scale
+linearly in output columns, so fewer columns keep the comparison. Each point: one warm call per
+path, then 5 alternating samples (A, B, A, B, ...; each sample >= 2 ms of back-to-back calls),
+medians compared: alternation and medians keep a noisy, shared host from favouring either path
+(two samples suffice when one path is over twice as slow in every sample).
+
+The rule (`_route`):
+  1. per timed row count, the kernel wins only if its median is below XLA's;
+  2. neighbouring row counts with the same winner form one class; a class boundary falls at D
+     (decode / prefill) or, between 1 and D, at the power of two nearest their geometric mean;
+  3. memory: a matrix served by both paths needs both layouts (the packed panels and XLA's),
+     i.e. its weight bytes twice. A path is kept for a matrix only if it wins somewhere by more
+     than MARGIN (10%); otherwise the other path serves every row count (one layout, at most 10%
+     slower there, which is within what two runs on a shared host disagree by). Both are kept
+     only when each wins by more than 10%, and the log says what the second layout costs.
+So a path measurably slower than XLA's dot (beyond the 10% margin) is never chosen.
+
+The decision is cached as JSON under $XDG_CACHE_HOME/xlaserve/kernels/matmul-<hash>.json, keyed by
+the CPU model name and flags, the cache sizes, the usable CPU count, jax / jaxlib, the kernel build
+key (source, compiler, build flags), the matrices' shapes and dtype, the timed row counts and
+RULE_VERSION. Every decision is logged per matrix and class with both timings, and is kept on the
+config (`LlamaConfig.matmul_plan.summary()`) for the engine's stats.
+
+Measured here (`small` benchmark model: H 768, I 2048, 12 + 4 heads, V 32000; D 16, T 512; a
+shared, loaded 2-core host), median ms per layer, kernel / XLA:
+  float32   decode M=1: qkv 0.19/0.30, o 0.09/0.25, gate_up 0.54/0.90, down 0.27/0.44, head 2.7/3.0;
+            decode M=16: 0.44/0.65 ... head 6.7/10.2; prefill M=512: within 2% of each other
+            -> the kernel for every matrix and row count (one layout).
+  bfloat16  decode: the kernel 3-40x faster (XLA:CPU's bfloat16 dot is slow); prefill M=512: XLA
+            1.5-1.8x faster -> both layouts for the four layer matrices (+144 MiB), and the head
+            on the kernel for M <= 4 only (its M=16 took 23 ms vs XLA's 19: above 6 rows the
+            kernel widens each 128-row chunk into a 32 KiB float buffer, which with its source
+            overflows this host's 32 KiB L1).
+  int8      the kernel everywhere but qkv at M=16 (XLA 11% faster, so qkv keeps both layouts,
+            +11 MiB). A cold choice took 6-8 s here (half of it compiling 28 small programs);
+            a warm start reads the cached JSON in ~10 ms.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_engine.kernels import cpu as cpu_kernels
+
+log = logging.getLogger("xlaserve.kernels")
+
+RULE_VERSION = 1
+MARGIN = 0.10                    # a second layout must win by more than this (see the module docstring)
+PATHS = ("xla", "kernel")
+UNBOUNDED = sys.maxsize          # max_m of a matrix's last route
+SAMPLES = 5                      # alternating samples per path and point (after one warm call each)
+MIN_SAMPLE_S = 0.002             # back-to-back calls per sample until at least this long
+PREFILL_FLOPS = 0.5e9            # per layer at a prefill point
+MIN_COLUMNS = 512                # output columns kept at a prefill point
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Timing:
+    """One timed point: median seconds per layer of each path on the timed slice."""
+
+    weight: str
+    m: int
+    shape_class: str
+    xla_s: float
+    kernel_s: float
+    slice: str = ""              # what was timed, e.g. "2 x [768] -> [2048] float32"
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """Which path multiplies each matrix, by row count: routes[weight] = ((max_m, path), ...),
+    ascending; the first route with m <= max_m applies (the last has max_m = UNBOUNDED)."""
+
+    routes: tuple[tuple[str, tuple[tuple[int, str], ...]], ...]
+    decode_rows: int = 0
+    timings: tuple[Timing, ...] = field(default=(), compare=False, hash=False)
+    source: str = field(default="measured", compare=False, hash=False)     # measured | cached
+
+    def path(self, weight: str, m: int) -> str:
+        for max_m, p in dict(self.routes)[weight]:
+            if m <= max_m:
+                return p
+        raise AssertionError("the last route is unbounded")
+
+    def layouts(self, weight: str) -> frozenset[str]:
+        return frozenset(p for _, p in dict(self.routes)[weight])
+
+    @property
+    def mode(self) -> str:
+        """"xla" or "kernel" when one path serves everything (cfg.matmul), else "mixed"."""
+        used = {p for _, rs in self.routes for _, p in rs}
+        return used.pop() if len(used) == 1 else "mixed"
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per (matrix, route), for stats and metrics: weight; shape_class ("decode" =
+        1..decode_rows, "prefill" = beyond, "all", or "M<=4" / "4<M<=16" / "M>16" when a class
+        splits); min_m, max_m (None = unbounded); path; and the timed points inside the route
+        (ms per layer on the timed slice, both paths)."""
+        out = []
+        for w, rs in self.routes:
+            lo = 1
+            for max_m, p in rs:
+                hi = None if max_m == UNBOUNDED else max_m
+                pts = [t for t in self.timings if t.weight == w and lo <= t.m <= (hi or UNBOUNDED)]
+                out.append({"weight": w, "shape_class": _class_name(lo, hi, self.decode_rows), "min_m": lo, "max_m": hi,
+                            "path": p, "timings_ms": {t.m: {"xla": t.xla_s * 1e3, "kernel": t.kernel_s * 1e3} for t in pts}})
+                lo = max_m + 1
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"routes": {w: [list(r) for r in rs] for w, rs in self.routes}, "decode_rows": self.decode_rows,
+                "timings": [dataclasses.asdict(t) for t in self.timings]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], source: str) -> "MatmulPlan":
+        return cls(routes=tuple((w, tuple((int(m), str(p)) for m, p in rs)) for w, rs in d["routes"].items()),
+                   decode_rows=int(d["decode_rows"]), timings=tuple(Timing(**t) for t in d["timings"]), source=source)
+
+
+def _class_name(lo: int, hi: Optional[int], d: int) -> str:
+    named = {(1, d): "decode", (d + 1, None): "prefill", (1, None): "all"}
+    if (lo, hi) in named:
+        return named[(lo, hi)]
+    return f"M>{lo - 1}" if hi is None else (f"M<={hi}" if lo == 1 else f"{lo - 1}<M<={hi}")
+
+
+# --------------------------------------------------------------------------- what to time
+@dataclass(frozen=True)
+class Case:
+    """One matrix of the served decoder as the timing needs it."""
+
+    weight: str                      # qkv | o | gate_up | down | lm_head
+    k_dims: tuple[int, ...]          # contraction dims
+    out_dims: tuple[int, ...]        # output dims
+    layers: int                      # stacked layers (1 for the LM head)
+    dtype: str                       # activation / weight dtype name
+    int8: bool                       # weight-only int8 {"q", "s"}
+    tied: bool = False               # LM head = embed^T (XLA reads the [V, H] embedding)
+    points: tuple[int, ...] = ()     # row counts to time
+
+    @property
+    def k(self) -> int:
+        return math.prod(self.k_dims)
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.out_dims)
+
+    @property
+    def itemsize(self) -> int:
+        return 1 if self.int8 else jnp.dtype(self.dtype).itemsize
+
+
+def cases(cfg: Any, dtype: Any, quantize: str, decode_rows: int, prefill_tokens: int) -> list[Case]:
+    """The matrices of `cfg` (a LlamaConfig, tp 1) and the row counts each is timed at."""
+    from jax_engine.models import llama
+
+    dec = sorted({1, decode_rows})
+    pre = [prefill_tokens] if prefill_tokens > decode_rows else []
+    name = jnp.dtype(dtype).name
+    out = []
+    for w, (kd, od) in llama.matmul_dims(cfg).items():
+        head = w == "lm_head"
+        out.append(Case(w, kd, od, 1 if head else cfg.num_layers, name,
+                        int8=quantize == "int8" and not (head and cfg.tie_embeddings),
+                        tied=head and cfg.tie_embeddings, points=tuple(dec if head else dec + pre)))
+    return out
+
+
+def _cache_sizes() -> dict[str, str]:
+    """{"L1d": "32K", "L2": "1024K", ...} from sysfs (empty where the kernel does not say)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    out: dict[str, str] = {}
+    try:
+        for idx in sorted(os.listdir(base)):
+            if not idx.startswith("index"):
+                continue
+            rd = lambda f: open(os.path.join(base, idx, f)).read().strip()   # noqa: E731
+            typ = rd("type")
+            out[f"L{rd('level')}" + {"Data": "d", "Instruction": "i"}.get(typ, "")] = rd("size")
+    except OSError:
+        pass
+    return out
+
+
+def _bytes(size: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(size[:-1]) * mult[size[-1]] if size and size[-1] in mult else int(size or 0)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_key() -> dict[str, Any]:
+    """What a timing depends on besides the shapes."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    import jaxlib
+
+    return {"cpu": _cpu_model(), "flags": cpu_kernels._cpu_flags().strip(), "caches": _cache_sizes(), "cpus": cpus,
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "kernel": cpu_kernels.build_key(), "rule": RULE_VERSION}
+
+
+def _decode_target_bytes() -> int:
+    """Bytes a decode point streams: twice the last-level cache, within [64, 256] MiB."""
+    llc = max((_bytes(v) for k, v in _cache_sizes().items() if not k.endswith("i")), default=0)
+    return min(256 << 20, max(64 << 20, 2 * llc))
+
+
+def _timed_slice(case: Case, m: int, decode_rows: int) -> tuple[int, int]:
+    """(stacked layers, output columns) timed at row count m (see the module docstring)."""
+    n, layer_bytes = case.n, case.k * case.n * case.itemsize
+    if m > decode_rows:                                   # prefill: compute-bound, bound the FLOPs
+        cols = max(MIN_COLUMNS, int(PREFILL_FLOPS / (2 * m * case.k)))
+        return min(2, case.layers), min(n, -(-cols // cpu_kernels.PANEL) * cpu_kernels.PANEL)
+    target = _decode_target_bytes()
+    if case.layers == 1 or 2 * layer_bytes >= target:    # one big matrix: fewer columns
+        layers = min(2, case.layers)
+        cols = -(-int(target / (layers * case.k * case.itemsize)) // cpu_kernels.PANEL) * cpu_kernels.PANEL
+        return layers, min(n, max(cpu_kernels.PANEL, cols))
+    return min(case.layers, max(2, -(-target // layer_bytes))), n
+
+
+def _shrink(dims: tuple[int, ...], cols: int) -> tuple[int, ...]:
+    """dims with its largest axis cut so the product is about cols (unchanged if already <=)."""
+    n = math.prod(dims)
+    if cols >= n:
+        return dims
+    i = max(range(len(dims)), key=lambda j: dims[j])
+    rest = n // dims[i]
+    return dims[:i] + (max(1, -(-cols // rest)),) + dims[i + 1:]
+
+
+# --------------------------------------------------------------------------- the timed programs
+class _Point:
+    """Both paths of one case at one row count: jitted programs and synthetic operands."""
+
+    def __init__(self, case: Case, m: int, decode_rows: int):
+        from jax_engine.models import llama
+
+        self.case, self.m = case, m
+        self.shape_class = "decode" if m <= decode_rows else "prefill"
+        L, cols = _timed_slice(case, m, decode_rows)
+        out = _shrink(case.out_dims, cols)
+        n = math.prod(out)
+        dt = jnp.dtype(case.dtype)
+        self.slice = f"{L} x {list(case.k_dims)} -> {list(out)} {'int8' if case.int8 else dt.name}"
+        P = cpu_kernels.num_panels(n)
+        sds = jax.ShapeDtypeStruct
+        if case.weight == "lm_head":
+            self.x = sds((m, case.k), dt)                  # h[:, 0] of the decode step
+            head_cfg = type("HeadCfg", (), {"matmul": "xla", "matmul_plan": None, "tie_embeddings": case.tied,
+                                            "vocab_size": n})()
+            if case.tied:
+                xla_w: Any = {"embed": sds((n, case.k), dt)}
+            elif case.int8:
+                xla_w = {"lm_head": {"q": sds((case.k, n), jnp.int8), "s": sds((n,), jnp.float32)}}
+            else:
+                xla_w = {"lm_head": sds((case.k, n), dt)}
+            xla_fn = lambda x, w: llama.lm_head(w, head_cfg, x)                        # noqa: E731
+            kernel_fn = lambda x, w: cpu_kernels.linear(x, w, 0, 1, (n,))              # noqa: E731
+            pk_lead: tuple[int, ...] = (1,)
+        else:
+            spec, kd = llama.SPECS[case.weight], len(case.k_dims)
+            rows = (m, 1) if self.shape_class == "decode" else (1, m)                  # [B, Tq] as the programs
+            self.x = sds(rows + case.k_dims, dt)
+            if case.int8:
+                xla_w = {"q": sds((L,) + case.k_dims + out, jnp.int8), "s": sds((L,) + out, jnp.float32)}
+            else:
+                xla_w = sds((L,) + case.k_dims + out, dt)
+
+            def xla_fn(x, w):
+                return jax.lax.scan(lambda c, wl: (c, llama.linear(x, wl, spec)), 0, w)[1]
+
+            def kernel_fn(x, w):
+                return jax.lax.scan(lambda li, _: (li + 1, cpu_kernels.linear(x, w, li, kd, out).astype(x.dtype)),
+                                    jnp.int32(0), None, length=L)[1]
+            pk_lead = (L,)
+        kdt = jnp.int8 if case.int8 else (jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32)
+        packed: Any = sds(pk_lead + (P, case.k, cpu_kernels.PANEL), kdt)
+        if case.int8:
+            packed = {"q": packed, "s": sds(pk_lead + (P * cpu_kernels.PANEL,), jnp.float32)}
+        self.layers = L
+        self.specs = {"xla": xla_w, "kernel": packed}
+        self.fns = {"xla": jax.jit(xla_fn), "kernel": jax.jit(kernel_fn)}
+        self._exe: dict[str, Any] = {}
+        self._args: dict[str, tuple] = {}
+
+    def compile(self, path: str) -> None:
+        if path not in self._exe:
+            self._exe[path] = self.fns[path].lower(self.x, self.specs[path]).compile()
+
+    def runner(self, path: str) -> Callable[[], None]:
+        """A function running `path` once (compiling and filling operands on first use)."""
+        def run() -> None:
+            self.compile(path)
+            if path not in self._args:
+                fill = lambda s: jnp.full(s.shape, 1 if s.dtype == jnp.int8 else 0.01, s.dtype)   # noqa: E731
+                self._args[path] = (fill(self.x), jax.tree.map(fill, self.specs[path]))
+            jax.block_until_ready(self._exe[path](*self._args[path]))
+        return run
+
+    def release(self) -> None:
+        self._args.clear()
+
+
+Timer = Callable[[Case, int, dict[str, Callable[[], None]]], dict[str, float]]
+
+
+def wall_timer(case: Case, m: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Median seconds per call of each path: one warm call each, then up to SAMPLES alternating
+    samples of back-to-back calls lasting >= MIN_SAMPLE_S. Stops after two rounds when every
+    sample of one path is over twice every sample of the other (bfloat16 XLA dots can be 40x
+    slower than the kernel: no need to time them five times)."""
+    reps = {}
+    for p, run in runs.items():
+        t0 = time.perf_counter()
+        run()
+        reps[p] = max(1, min(100, math.ceil(MIN_SAMPLE_S / max(time.perf_counter() - t0, 1e-7))))
+    samples: dict[str, list[float]] = {p: [] for p in runs}
+    for i in range(SAMPLES):
+        order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+        for p in order:
+            t0 = time.perf_counter()
+            for _ in range(reps[p]):
+                runs[p]()
+            samples[p].append((time.perf_counter() - t0) / reps[p])
+        lo, hi = sorted(samples.values(), key=statistics.median)
+        if i >= 1 and min(hi) > 2 * max(lo):
+            break
+    return {p: statistics.median(s) for p, s in samples.items()}
+
+
+wall_timer.precompile = True         # type: ignore[attr-defined]  # real timings: compile all programs up front
+default_timer: Timer = wall_timer    # what configure / choose use unless given a timer (tests replace it)
+
+
+def decision_dir() -> str:
+    """Where decisions are cached: next to the kernel build."""
+    return cpu_kernels.cache_dir()
+
+
+# --------------------------------------------------------------------------- the rule
+def _route(case: Case, times: dict[int, dict[str, float]], decode_rows: int) -> tuple[tuple[int, str], ...]:
+    """Routes of one matrix from its timed points (rules 1-3 of the module docstring)."""
+    pts = sorted(times)
+    win = {m: ("kernel" if times[m]["kernel"] < times[m]["xla"] else "xla") for m in pts}
+    best = {p: max((times[m][_other(p)] / times[m][p] - 1 for m in pts if win[m] == p), default=-1.0) for p in PATHS}
+    if len(set(win.values())) == 2:                       # rule 3: does each layout pay for itself?
+        weak = [p for p in PATHS if best[p] <= MARGIN]
+        if weak:
+            drop = "kernel" if len(weak) == 2 else weak[0]
+            win = {m: _other(drop) for m in pts}
+    routes: list[tuple[int, str]] = []
+    for a, b in zip(pts, pts[1:]):
+        if win[a] != win[b]:
+            bound = decode_rows if a <= decode_rows < b else 2 ** round(math.log2(math.sqrt(a * b)))
+            routes.append((max(a, min(bound, b - 1)), win[a]))
+    routes.append((UNBOUNDED, win[pts[-1]]))
+    return tuple(routes)
+
+
+def _other(p: str) -> str:
+    return "xla" if p == "kernel" else "kernel"
+
+
+def _log_plan(plan: MatmulPlan, cases_: list[Case]) -> None:
+    by = {c.weight: c for c in cases_}
+    for w, rs in plan.routes:
+        c = by[w]
+        pts = "; ".join(f"{t.shape_class} M={t.m}: kernel {t.kernel_s * 1e3:.3f} ms, xla {t.xla_s * 1e3:.3f} ms"
+                        f" ({t.slice})" for t in plan.timings if t.weight == w)
+        route = ", ".join(f"{p} for M<={m}" if m != UNBOUNDED else (f"{p} beyond" if len(rs) > 1 else p) for m, p in rs)
+        extra = ""
+        if len(plan.layouts(w)) == 2 and not (w == "lm_head" and c.tied):
+            extra = f"; both layouts kept: +{c.layers * c.k * c.n * c.itemsize / 2 ** 20:.0f} MiB"
+        log.info("cpu matmul %s [%s -> %s] %s (%s): %s%s", w, c.k, c.n, "int8" if c.int8 else c.dtype,
+                 plan.source, route, f" | {pts}{extra}" if pts else extra)
+
+
+def choose(cases_: list[Case], decode_rows: int, *, timer: Optional[Timer] = None,
+           cache: Optional[str] = None) -> MatmulPlan:
+    """Measure (or read the cached decision for) every case; see the module docstring."""
+    key = {"host": host_key(), "decode_rows": decode_rows, "cases": [dataclasses.asdict(c) for c in cases_]}
+    key = json.loads(json.dumps(key, sort_keys=True))    # as it reads back from the file (tuples -> lists)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(cache or decision_dir(), f"matmul-{digest}.json")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("key") == key:
+            plan = MatmulPlan.from_json(doc["plan"], source="cached")
+            _log_plan(plan, cases_)
+            return plan
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    t0 = time.time()
+    points = [_Point(c, m, decode_rows) for c in cases_ for m in c.points]
+    timer = timer or default_timer
+    if getattr(timer, "precompile", False):              # compile everything first, a few at a time
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            list(pool.map(lambda a: a[0].compile(a[1]), [(pt, p) for pt in points for p in PATHS]))
+    t_compiled = time.time()
+    timings, routes = [], []
+    for c in cases_:
+        times: dict[int, dict[str, float]] = {}
+        for pt in (p for p in points if p.case is c):
+            got = timer(c, pt.m, {p: pt.runner(p) for p in PATHS})
+            pt.release()
+            times[pt.m] = {p: got[p] / pt.layers for p in PATHS}
+            timings.append(Timing(c.weight, pt.m, pt.shape_class, times[pt.m]["xla"], times[pt.m]["kernel"], pt.slice))
+        routes.append((c.weight, _route(c, times, decode_rows)))
+    plan = MatmulPlan(routes=tuple(routes), decode_rows=decode_rows, timings=tuple(timings))
+    log.info("cpu matmul: timed %d row counts x 2 paths in %.1fs (compiling %.1fs); cached as %s", len(points),
+             time.time() - t0, t_compiled - t0, path)
+    _log_plan(plan, cases_)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "plan": plan.to_json()}, f, indent=1)
+        os.replace(tmp, path)                            # atomic: concurrent starts never read half a file
+    except OSError as e:
+        log.warning("cpu matmul: could not cache the decision in %s: %s", path, e)
+    return plan
+
+
+def configure(choice: str, cfg: Any, plat: str, dtype: Any, quantize: str, tp: int, *, decode_rows: int,
+              prefill_tokens: int, timer: Optional[Timer] = None) -> Any:
+    """cfg with matmul / matmul_plan set from --cpu-matmul: "xla" and "kernel" force a path (no
+    timing; "kernel" where it cannot run is an error, cpu.resolve); "auto" measures on CPU with
+    tp 1 (where the kernel builds) and is XLA's dot elsewhere."""
+    path = cpu_kernels.resolve(choice, plat, dtype, quantize, tp)
+    if choice != "auto" or path == "xla":
+        return dataclasses.replace(cfg, matmul=path, matmul_plan=None)
+    plan = choose(cases(cfg, dtype, quantize, decode_rows, prefill_tokens), decode_rows, timer=timer)
+    return dataclasses.replace(cfg, matmul=plan.mode, matmul_plan=plan)     # the plan also when uniform: stats
