@@ -31,8 +31,16 @@ from jax_engine.page_pool import PagePool
 from jax_engine.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
 from jax_engine.scheduler import Scheduler
 from jax_engine.sequence import Request, Sequence
-from jax_engine.types import (EmbedOutput, EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, ModelStats,
-                              SamplingParams)
+from jax_engine.types import (
+    EmbedOutput,
+    EmbedRequest,
+    GenerateOutput,
+    GenerateRequest,
+    MatmulRoute,
+    ModelInfo,
+    ModelStats,
+    SamplingParams,
+)
 from weights_convert.hf import CheckpointError, CheckpointReader, read_config
 
 log = logging.getLogger("xlaserve.generate")
@@ -360,13 +368,21 @@ class GenerateWorker:
                 prefix_cache_miss_tokens=pool.miss_tokens,
                 compilations_after_warmup=s.runner.programs.compilations_after_warmup,
                 max_running_requests=s.max_running, preemptions=s.preemptions))
-        tot = ModelStats(name=self.spec.name, page_size=self.page_size, replicas=per)
+        tot = ModelStats(name=self.spec.name, page_size=self.page_size, replicas=per,
+                         matmul_routes=self._matmul_routes())
         for f in ("running_requests", "waiting_requests", "pages_total", "pages_used", "pages_free",
                   "prefill_tokens_per_s", "decode_tokens_per_s", "total_prompt_tokens", "total_generated_tokens",
                   "prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "compilations_after_warmup",
                   "max_running_requests", "preemptions"):
             setattr(tot, f, sum(getattr(x, f) for x in per))
         return tot
+
+
+    def _matmul_routes(self) -> list[MatmulRoute]:
+        plan = self.cfg.matmul_plan
+        if plan is None:   # forced (or not on CPU): one path for every matrix
+            return [MatmulRoute("all", "all", self.cfg.matmul)]
+        return [MatmulRoute(r["weight"], r["shape_class"], r["path"]) for r in plan.summary()]
 
 
 def load_tokenizer(path: str):

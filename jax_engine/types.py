@@ -123,6 +123,15 @@ class ModelInfo:
 
 
 @dataclass
+class MatmulRoute:
+    """Which path serves one decoder matrix for a range of rows (--cpu-matmul; see
+    jax_engine/kernels/choose.py): path "kernel" or "xla"; weight "all" when one path was forced."""
+    weight: str
+    shape_class: str
+    path: str
+
+
+@dataclass
 class ModelStats:
     name: str
     running_requests: int = 0
@@ -140,4 +149,5 @@ class ModelStats:
     compilations_after_warmup: int = 0
     max_running_requests: int = 0
     preemptions: int = 0
+    matmul_routes: list[MatmulRoute] = field(default_factory=list)
     replicas: list["ModelStats"] = field(default_factory=list)

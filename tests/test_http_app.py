@@ -117,6 +117,11 @@ def test_metrics_names_present_and_values_move(client):
         b, "xlaserve_inter_token_latency_seconds_count", model=GEN) + 4
     assert metric(after, "xlaserve_kv_pages_total", model=GEN) > 0
     assert metric(after, "xlaserve_compilations_after_warmup_total", model=GEN) == 0
+    # the measured --cpu-matmul choice: one path per decoder matrix and row class, every row covered
+    routes = re.findall(rf'^xlaserve_cpu_matmul_path{{model="{GEN}",path="(\w+)",shape_class="([^"]+)",weight="(\w+)"}} 1\.0$',
+                        after, re.M)
+    assert {w for _, _, w in routes} == {"qkv", "o", "gate_up", "down", "lm_head"}, routes
+    assert {p for p, _, _ in routes} <= {"kernel", "xla"}
     # probes and scrapes are not counted as requests
     assert metric(after, "xlaserve_requests_total", method="/metrics") == 0
 

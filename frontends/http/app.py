@@ -195,6 +195,9 @@ class _EngineCollector:
         }
         g_fam = {k: GaugeMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in gauges.items()}
         c_fam = {k: CounterMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in counters.items()}
+        routes = GaugeMetricFamily("xlaserve_cpu_matmul_path",
+                                   "1 for the path (kernel or xla) serving each decoder matrix and row class",
+                                   labels=["model", "weight", "shape_class", "path"])
         for info in list(e.models()):
             try:
                 st = e.stats(info.name)
@@ -204,8 +207,11 @@ class _EngineCollector:
                 g_fam[k].add_metric([info.name], float(getattr(st, attr, 0) or 0))
             for k, (_, attr) in counters.items():
                 c_fam[k].add_metric([info.name], float(getattr(st, attr, 0) or 0))
+            for r in st.matmul_routes:
+                routes.add_metric([info.name, r.weight, r.shape_class, r.path], 1.0)
         yield from g_fam.values()
         yield from c_fam.values()
+        yield routes
         engine_req = CounterMetricFamily("xlaserve_engine_requests",
                                          "Engine requests: accepted, and each terminal outcome", labels=["outcome"])
         for outcome, value in e.counters.snapshot().items():
