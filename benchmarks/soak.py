@@ -42,7 +42,8 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,8 +51,7 @@ if __package__ in (None, ""):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALL_TIMEOUT_S = 120.0     # a client call that takes longer than this is a hang
 MIB = 1024 * 1024
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
-         "boxing matches under a pale violet sky near the old harbour").split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "judge", "boxing", "matches", "under", "a", "pale", "violet", "sky", "near", "the", "old", "harbour"]
 
 
 # =============================================================================================
@@ -61,8 +61,8 @@ class Server:
     """`xlaserve serve` in a subprocess (free ports); its log is kept in a temporary file."""
 
     def __init__(self, extra: Sequence[str]):
-        self.log_path = tempfile.NamedTemporaryFile(prefix="xlaserve-soak-", suffix=".log", delete=False).name
-        self.log = open(self.log_path, "w")
+        fd, self.log_path = tempfile.mkstemp(prefix="xlaserve-soak-", suffix=".log")
+        self.log = os.fdopen(fd, "w")      # the server's stdout for its whole life
         cmd = [sys.executable, "-m", "frontends.cli", "serve", "--grpc-port", "0", "--http-port", "0",
                "--log-level", "info", *extra]
         env = dict(os.environ, XLASERVE_PROGRESS="0")
@@ -94,7 +94,7 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"the server was not ready within {timeout:.0f}s:\n{self.text()[-3000:]}")
 
-    def stop(self, timeout: float = 60.0) -> Optional[int]:
+    def stop(self, timeout: float = 60.0) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -212,7 +212,7 @@ class Traffic:
         r = await self.client.post("/v1/completions", json=body)
         self.http_status("completion", r.status_code, r.text)
 
-    async def http_chat_stream(self, cancel_after: Optional[int] = None) -> None:
+    async def http_chat_stream(self, cancel_after: int | None = None) -> None:
         body = {"model": self.gen_model, "messages": [{"role": "user", "content": self.text()}],
                 "max_tokens": self.rng.randint(8, 64), "stream": True, "ignore_eos": True}
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -282,7 +282,7 @@ class Traffic:
         self.stats.count(self.stats.outcomes, "http client crash")
 
     # ---------------------------------------------------------------- gRPC actions
-    def generate_request(self, max_new: int, rid: Optional[str] = None) -> Any:
+    def generate_request(self, max_new: int, rid: str | None = None) -> Any:
         return self.spb.GenerateRequest(request_id=rid or f"soak-{uuid.uuid4().hex}", stream=True,
                                         tokenized=self.spb.TokenizedInput(input_ids=self.ids()),
                                         sampling_params=self.sampling(max_new))
@@ -391,7 +391,7 @@ class Traffic:
             await asyncio.wait_for(fn(), CALL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.stats.hangs.append(name)
-        except Exception as e:  # a transport error is a client-side event, not a server failure
+        except Exception as e:  # noqa: BLE001 -- a transport error is a client-side event, not a server failure
             key = f"{name}: {type(e).__name__}"
             self.stats.count(self.stats.client_errors, key)
 
@@ -423,7 +423,7 @@ async def wait_idle(client, timeout: float = 120.0) -> dict[str, float]:
     return m
 
 
-async def soak(args: argparse.Namespace, http: str, grpc_addr: str, pid: Optional[int]) -> dict[str, Any]:
+async def soak(args: argparse.Namespace, http: str, grpc_addr: str, pid: int | None) -> dict[str, Any]:
     import httpx
 
     async with httpx.AsyncClient(base_url=http, timeout=30) as probe:
@@ -499,7 +499,7 @@ async def soak(args: argparse.Namespace, http: str, grpc_addr: str, pid: Optiona
     return result
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
