@@ -169,14 +169,36 @@ class EngineSide:
     def runner(self):
         return self.engine._worker(self.name).replicas[0].runner
 
-    def weight_bytes(self) -> dict:
-        """Bytes of the parameters a decode step reads (all but the embedding table) and in all."""
+    def weight_bytes(self, batches: Sequence[int]) -> dict:
+        """Bytes of the parameters a decode step of each batch size reads (all but the embedding
+        table, and of a matrix the measured --cpu-matmul plan keeps in both layouts only the
+        layout that serves that many rows), and in all."""
         import jax
 
-        params = self.runner().params
+        runner = self.runner()
+        params = runner.params
         total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
         embed = sum(x.nbytes for x in jax.tree_util.tree_leaves(params.get("embed", {})))
-        return {"per_decode_step": int(total - embed), "all": int(total), "embedding": int(embed)}
+
+        def nbytes(tree) -> int:
+            return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+        def unused(batch: int) -> int:
+            plan = runner.cfg.matmul_plan
+            if runner.cfg.matmul != "mixed" or plan is None:
+                return 0
+            skip = 0
+            for name, routes in plan.routes:
+                if len(plan.layouts(name)) < 2:
+                    continue
+                path = next(p for max_m, p in routes if batch <= max_m)
+                home = params if name == "lm_head" else params["layers"]
+                skip += nbytes(home[name] if path == "kernel" else home[f"{name}_panels"])
+            return skip
+
+        per_batch = {str(B): int(total - embed - unused(B)) for B in batches}
+        return {"per_decode_step": per_batch, "all": int(total), "embedding": int(embed),
+                "note": "per batch size: a matrix kept in two layouts counts once, in the layout serving it"}
 
     def kv_itemsize(self) -> int:
         """Bytes per KV element as the engine allocated them (float32 on CPU for every dtype)."""
@@ -457,7 +479,7 @@ def measure_row(path: str, dtype: str, peer: Peer, run: dict, vocab: int,
     for B in run["batches"]:
         eng.generate(make_prompts(B, run["prompt_len"], vocab, 998), 4)
     before = C.compile_counts(eng.engine)
-    out: dict[str, Any] = {"engine_load_and_warmup_s": C.rnd(eng.load_s, 1), "weight_bytes": eng.weight_bytes(),
+    out: dict[str, Any] = {"engine_load_and_warmup_s": C.rnd(eng.load_s, 1), "weight_bytes": eng.weight_bytes(run["batches"]),
                            "kv_itemsize": eng.kv_itemsize(), "quantize": quant, "engine_dtype": eng_dtype,
                            "peer_dtype": peer_dtype, "runs": {}}
     for B in run["batches"]:
@@ -537,7 +559,9 @@ def summarize_row(raw: dict, cfg: dict, limits: dict, run: dict, dtype: str) -> 
         return raw
     row = {k: v for k, v in raw.items() if k != "runs"}
     for B, runs in raw["runs"].items():
-        row[f"batch_{B}"] = summarize_batch(runs, cfg, raw["weight_bytes"]["per_decode_step"], raw["kv_itemsize"],
+        per_step = raw["weight_bytes"]["per_decode_step"]
+        per_step = per_step[str(B)] if isinstance(per_step, dict) else per_step   # older results: one number
+        row[f"batch_{B}"] = summarize_batch(runs, cfg, per_step, raw["kv_itemsize"],
                                             B, run["prompt_len"], run["new_tokens"], limits, run["max_model_len"],
                                             dtype)
     return row

@@ -243,7 +243,7 @@ def client(http_url):
     """A plain HTTP client on the shared test app (no API key)."""
     import httpx
 
-    with httpx.Client(base_url=http_url, timeout=60) as c:
+    with httpx.Client(base_url=http_url, timeout=120) as c:
         yield c
 
 
@@ -258,3 +258,18 @@ def secured_http_url(server_loop, serving_engine):
     url, stop = start_http_app(server_loop, app)
     yield url
     stop()
+
+
+# =============================================================================================
+# end-to-end sampling tests (test_sampling_mapping.py, test_no_silent_drops.py)
+# =============================================================================================
+@pytest.fixture(scope="module")
+def tok(serving_engine):
+    """The demo generator's tokenizer."""
+    return serving_engine.tokenizer(GEN)
+
+
+@pytest.fixture(scope="module")
+def http(client):
+    """`client` under the name these modules use (modules that mean another server override it)."""
+    return client

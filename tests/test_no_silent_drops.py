@@ -22,7 +22,7 @@ from frontends.grpc.gen.sglang import sglang_scheduler_pb2_grpc as spb_grpc
 from frontends.grpc.server import MAX_METADATA_BYTES
 from frontends.grpc.sglang import build_generate_request
 from tests.conftest import EMBED, GEN
-from tests.test_sampling_mapping import (
+from tests.protocol_clients import (
     ALLSPARK,
     SGLANG,
     AllSpark,
@@ -33,17 +33,6 @@ from tests.test_sampling_mapping import (
 )
 
 CHAT = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def tok(serving_engine):
-    return serving_engine.tokenizer(GEN)
-
-
-@pytest.fixture(scope="module")
-def http(http_url):
-    with httpx.Client(base_url=http_url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module", params=["grpc", "mirror"])
