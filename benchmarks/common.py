@@ -23,6 +23,7 @@ import platform
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -608,6 +609,16 @@ def add_round_args(ap) -> None:
 
 def quiet_seconds(a) -> float:
     return a.quiet_wait if a.quiet_wait is not None else (0.0 if a.quick else 60.0)
+
+
+def wait_or_kill(proc: subprocess.Popen, grace_s: float = 30.0) -> int | None:
+    """The exit code of a process already asked to stop, killed if it takes over grace_s."""
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    return proc.returncode
 
 
 def serve_command(args: Sequence[str], block_torch: bool = True) -> list[str]:

@@ -81,11 +81,7 @@ class Peer:
                 self.call("quit")
             except (PeerError, OSError, ValueError):
                 pass
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+            return C.wait_or_kill(self.proc)
         return self.proc.returncode
 
 

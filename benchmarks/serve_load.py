@@ -107,11 +107,7 @@ class Server:
     def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+            return C.wait_or_kill(self.proc)
         return self.proc.returncode
 
 

@@ -149,6 +149,7 @@ class Protocol:
 
 class OpenAICompletions(Protocol):
     name = "completions"
+    route = "/v1/completions"
     fields = CANONICAL
 
     def __init__(self, tokenizer: Any, client: httpx.Client):
@@ -164,7 +165,7 @@ class OpenAICompletions(Protocol):
         return body
 
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
-        r = self.client.post("/v1/completions", json=body)
+        r = self.client.post(self.route, json=body)
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -176,6 +177,7 @@ class OpenAICompletions(Protocol):
 
 class OpenAIChat(OpenAICompletions):
     name = "chat"
+    route = "/v1/chat/completions"
 
     def prompt_ids(self) -> list[int]:
         text = self.tok.apply_chat_template([{"role": "user", "content": CHAT_TEXT}], tokenize=False,
@@ -186,11 +188,6 @@ class OpenAIChat(OpenAICompletions):
         body: dict[str, Any] = {"model": GEN, "messages": [{"role": "user", "content": CHAT_TEXT}], "logprobs": True}
         body.update(_openai_fields(params))
         return body
-
-    def post(self, body: dict[str, Any]) -> dict[str, Any]:
-        r = self.client.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()
 
     def run(self, **params: Any) -> list[Out]:
         resp = self.post(self.body(params))
