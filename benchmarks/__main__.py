@@ -7,7 +7,9 @@ Each job runs in its own process (a clean JAX state and compile counter; the tor
 in their own processes below that) and writes benchmarks/results/<name>.json and its PNGs.
 Then the section between `<!-- perf:begin -->` and `<!-- perf:end -->` in README.md is
 rewritten from those files only: start time, parity with transformers, the test suite, the
-peer comparisons, serving, the decode profile. Every table names the results file it came
+peer comparisons (transformers, sentence-transformers, and where the `bench` extra's libraries
+are installed llama.cpp and ONNX Runtime, each ratio with the peer's dtype or GGUF type),
+serving, the decode profile. Every table names the results file it came
 from and the host it was measured on; nothing in it is typed in. Nothing else in README.md is
 touched. Without the markers, or in --quick mode (smoke numbers do not belong in the README),
 the section is printed instead, and always saved as benchmarks/results/performance.md
@@ -165,9 +167,10 @@ def sec_parity(d: dict, quick: bool) -> list[str]:
     for key, t in (d.get("tensor_parallel") or {}).items():
         if isinstance(t, dict):
             tp, rep = key.split("x")
+            ok = t["max_abs_vs_tp1"] <= t["bound"] and t["greedy_equal_to_tp1"]
             lines.append(f"| TP {tp} × {rep} replica(s) on 4 forced host devices vs TP 1 | max abs "
                          f"{t['max_abs_vs_tp1']:.1e}; greedy tokens {'identical' if t['greedy_equal_to_tp1'] else 'DIFFER'}"
-                         f" | ≤ {t['bound']:g}; identical | {_ok(t['max_abs_vs_tp1'] <= t['bound'] and t['greedy_equal_to_tp1'])} |")
+                         f" | ≤ {t['bound']:g}; identical | {_ok(ok)} |")
         else:
             lines.append(f"| tensor parallel ({key}) | error: {str(t)[:120]} | | ❌ |")
     return lines + [""]
@@ -184,29 +187,65 @@ def sec_tests(d: dict, quick: bool) -> list[str]:
             f"commit `{commit[:10]}`{dirty}."), ""]
 
 
+def ort_note(e: dict) -> str:
+    """One sentence on the ONNX Runtime peer of an embed_vs_st result (or why it is absent)."""
+    o = e["setup"].get("onnxruntime")
+    if not o:
+        return ""
+    if "skipped" in o:
+        return f"ONNX Runtime: not measured ({o['skipped']})."
+    fused = ", ".join(f"{k} {v}" for k, v in ((o.get("export") or {}).get("fused_operators") or {}).items())
+    chk = e.get("correctness_onnxruntime") or {}
+    return (f"ONNX Runtime {o.get('onnxruntime', '?')} ({o.get('dtype', 'float32')}, own process, "
+            f"{o.get('intra_op_threads', '?')} intra-op threads): torch.onnx.export, then onnxruntime's transformer "
+            f"optimizer at O2 ({fused or 'fusions not recorded'}); {o.get('how', '')}; embeddings vs "
+            f"sentence-transformers: min cosine {_f(chk.get('min_cosine'), '{:.7f}')} ({_ok(chk.get('ok'))}).")
+
+
 def sec_embed(e: dict, quick: bool) -> list[str]:
     r, t = e["results"], e.get("targets", {})
     how = e["setup"].get("how") or {}
-    lines = [f"### Embeddings: all-MiniLM-L6-v2 vs sentence-transformers ({_cpu(e)})", "", _src("embed_vs_st", quick, e),
+    sizes = e["setup"]["batch_sizes"]
+    has_ort = any("ort_sentences_per_s" in r.get(f"batch_{B}", {}) for B in sizes)
+    title = "sentence-transformers and ONNX Runtime" if has_ort else "sentence-transformers"
+    lines = [f"### Embeddings: all-MiniLM-L6-v2 vs {title} ({_cpu(e)})", "", _src("embed_vs_st", quick, e),
              "", (f"xlaserve: {how.get('xlaserve', '?')}; sentence-transformers: {how.get('sentence_transformers', '?')}; "
              f"batch 1: {how.get('batch_1', '?')}. {e['setup']['corpus_sentences']} sentences, "
-             f"{e['setup']['tokens_per_sentence_mean']} tokens each on average."), "",
-             "| batch | xlaserve sentences/s | sentence-transformers | peer dtype | ratio | target | met | clean rounds |",
-             "|---|---|---|---|---|---|---|---|"]
-    for B in e["setup"]["batch_sizes"]:
+             f"{e['setup']['tokens_per_sentence_mean']} tokens each on average. {ort_note(e)}").rstrip(), ""]
+    if has_ort:
+        lines += [("| batch | xlaserve sentences/s | ONNX Runtime | peer dtype | ratio | target | met | "
+                   "sentence-transformers | peer dtype | ratio | target | met | clean rounds |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["| batch | xlaserve sentences/s | sentence-transformers | peer dtype | ratio | target | met | clean rounds |",
+                  "|---|---|---|---|---|---|---|---|"]
+    for B in sizes:
         row = r.get(f"batch_{B}", {})
         tt = t.get(f"sentences_per_s_ratio_b{B}")
         rounds = row.get("all_rounds", {})
-        lines.append(f"| {B} | {_f(row.get('xlaserve_sentences_per_s'))} | {_f(row.get('st_sentences_per_s'))} | "
-                     f"{row.get('peer_dtype', e['setup'].get('peer_dtype', '?'))} | {_x(row.get('ratio'))} | "
-                     f"{'≥ 1.2×' if tt else '–'} | {_met(tt)} | {rounds.get('clean_rounds')} of {rounds.get('rounds')} |")
+        st = (f"{_f(row.get('st_sentences_per_s'))} | {row.get('peer_dtype', e['setup'].get('peer_dtype', '?'))} | "
+              f"{_x(row.get('ratio'))} | {'≥ 1.2×' if tt else '–'} | {_met(tt)}")
+        if has_ort:
+            to = t.get(f"sentences_per_s_ratio_b{B}_vs_onnxruntime")
+            ort = (f"{_f(row.get('ort_sentences_per_s'))} | {row.get('ort_dtype', 'float32')} | "
+                   f"{_x(row.get('ratio_vs_ort'))} | {'≥ 1.2×' if to else '–'} | {_met(to)}")
+            lines.append(f"| {B} | {_f(row.get('xlaserve_sentences_per_s'))} | {ort} | {st} | "
+                         f"{rounds.get('clean_rounds')} of {rounds.get('rounds')} |")
+        else:
+            lines.append(f"| {B} | {_f(row.get('xlaserve_sentences_per_s'))} | {st} | "
+                         f"{rounds.get('clean_rounds')} of {rounds.get('rounds')} |")
     b1 = r.get("batch_1")
     if b1:
         lt = t.get("b1_latency_p50_ratio_engine_over_st")
+        ort = ""
+        if "ort_latency_ms" in b1:
+            lo = t.get("b1_latency_p50_ratio_engine_over_onnxruntime")
+            ort = (f", ONNX Runtime (float32) {_f(b1['ort_latency_ms'].get('p50'))} / "
+                   f"{_f(b1['ort_latency_ms'].get('p99'))} ms (target: p50 no worse; {_met(lo)})")
         lines += ["", (f"Batch-1 latency p50 / p99: xlaserve {_f(b1['xlaserve_latency_ms'].get('p50'))} / "
                       f"{_f(b1['xlaserve_latency_ms'].get('p99'))} ms, sentence-transformers (float32) "
                       f"{_f(b1['st_latency_ms'].get('p50'))} / {_f(b1['st_latency_ms'].get('p99'))} ms "
-                      f"(target: no worse; {_met(lt)}). Compilations after warmup: "
+                      f"(target: no worse; {_met(lt)}){ort}. Compilations after warmup: "
                       f"{e['compilations']['after_timing']['engine_after_warmup']}.")]
     return lines + ["", *_plots(e), ""]
 
@@ -225,8 +264,10 @@ def _gen_row(dtype: str, row: dict, B: int) -> str:
 def sec_generate(g: dict, quick: bool) -> list[str]:
     s, lim = g["setup"], g.get("limits") or {}
     kv = sorted({r.get("kv_itemsize") for r in g["rows"].values() if isinstance(r, dict) and r.get("kv_itemsize")})
+    lc = s.get("llamacpp") or {}
+    peers = "llama.cpp and transformers `generate`" if lc and "skipped" not in lc else "transformers `generate`"
     lines = [(f"### Generation: random '{s['model']}' Llama ({(s.get('params') or 0) / 1e6:.1f} M parameters) "
-             f"vs transformers `generate` ({_cpu(g)})"), "", _src("generate_vs_hf", quick, g), "",
+             f"vs {peers} ({_cpu(g)})"), "", _src("generate_vs_hf", quick, g), "",
              (f"Prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens forced, greedy; transformers runs in its "
              f"own process in the dtype named in the row. Roofline = min(bandwidth, compute): read bandwidth "
              f"{_f(lim.get('torch_sum_gbps'))} GB/s (best of {lim.get('probes')} probes over "
@@ -241,7 +282,8 @@ def sec_generate(g: dict, quick: bool) -> list[str]:
             lines.append(f"| {dtype} | – | – | {row['error']} | | | | | | | | |")
             continue
         lines += [_gen_row(dtype, row, B) for B in s["batches"] if f"batch_{B}" in row]
-    lines += ["", "| target (float32 vs transformers float32) | value | goal | met |", "|---|---|---|---|"]
+    lines += sec_llamacpp(g)
+    lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
     for k, t in (g.get("targets") or {}).items():
         if isinstance(t, dict):
             lines.append(f"| {k} | {_f(t.get('value'), '{:.3g}')} | {t.get('goal')} | {_met(t)} |")
@@ -256,6 +298,53 @@ def sec_generate(g: dict, quick: bool) -> list[str]:
                          f"{_f(r.get('sampled_decode_tok_s'))} | {_f(r.get('ratio_sampled_over_greedy'), '{:.2f}')} | "
                          f"{ar.get('clean_rounds')} of {ar.get('rounds')} |")
     return lines + ["", *_plots(g), ""]
+
+
+def llamacpp_note(lc: dict) -> str:
+    """One sentence on the llama.cpp peer of a generate_vs_hf result."""
+    ctxs = lc.get("contexts") or {}
+    threads = next((c.get("n_threads") for c in ctxs.values()), lc.get("threads"))
+    flags = [f.split(" = ")[0].strip() for f in (lc.get("system_info") or "").split("|") if f.strip().endswith("= 1")]
+    return (f"llama.cpp: llama-cpp-python {lc.get('llama_cpp_python', '?')} in its own process, {threads} threads, "
+            f"built with {' '.join(f for f in flags if f != 'CPU : SSE3') or '?'}; GGUF converted from the same HF "
+            f"folder by llama.cpp's convert_hf_to_gguf.py; {lc.get('how', '')}.")
+
+
+def sec_llamacpp(g: dict) -> list[str]:
+    """The llama.cpp rows of a generate_vs_hf result: every engine row against its GGUF type."""
+    lc = (g.get("setup") or {}).get("llamacpp")
+    if not lc:
+        return []
+    if "skipped" in lc:
+        return ["", f"llama.cpp: not measured ({lc['skipped']})."]
+    lines = ["", llamacpp_note(lc), "",
+             ("| engine dtype | llama.cpp type | batch | xlaserve decode tok/s | llama.cpp decode tok/s | decode ratio | "
+              "xlaserve prefill ms | llama.cpp prefill ms | prefill ratio | goal (decode / prefill) | met | "
+              "greedy tokens equal | clean rounds |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    batches = g["setup"]["batches"]
+    tg = g.get("targets") or {}
+    for dtype, row in g["rows"].items():
+        if not isinstance(row, dict) or "error" in row:
+            continue
+        for B in batches:
+            b = row.get(f"batch_{B}") or {}
+            lp, r = b.get("llamacpp"), b.get("ratios_vs_llamacpp")
+            if not lp or not r:
+                continue
+            x = b.get("xlaserve", {})
+            tag = f"{dtype}_b{B}_vs_llamacpp_{r.get('peer_dtype')}"
+            td, tp = tg.get(f"{tag}_decode"), tg.get(f"{tag}_prefill")
+            goal = f"≥ {td['goal']:g}× / ≥ {tp['goal']:g}×" if td and tp else "–"
+            met = f"{_met(td)} / {_met(tp)}" if td and tp else "–"
+            gm = b.get("greedy_match_vs_llamacpp") or {}
+            lines.append(f"| {dtype} | {r.get('peer_dtype')} | {B} | {_f(x.get('decode_tok_s'))} | "
+                         f"{_f(lp.get('decode_tok_s'))} | {_x(r.get('decode_tok_s'))} | "
+                         f"{_f((x.get('prefill_s') or 0) * 1e3, '{:.0f}')} | "
+                         f"{_f((lp.get('prefill_s') or 0) * 1e3, '{:.0f}')} | {_x(r.get('prefill_s'))} | {goal} | {met} | "
+                         f"{gm.get('first_token_equal', '–')} of {gm.get('sequences', '–')} first tokens | "
+                         f"{b.get('clean_rounds')} of {b.get('rounds')} |")
+    return lines
 
 
 def sec_serve(s: dict, quick: bool) -> list[str]:

@@ -42,6 +42,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask), the thread count a peer is given."""
+    try:
+        return len(os.sched_getaffinity(0)) or NUM_CORES
+    except (AttributeError, OSError):
+        return NUM_CORES
+
+
+def bench_cache_root() -> str:
+    """Where the benchmarks keep what they build once: random models, GGUF and ONNX files, the
+    llama.cpp converter (``$XDG_CACHE_HOME/xlaserve/bench-models``, default ~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "xlaserve", "bench-models")
+
+
 def log(*parts: Any) -> None:
     """Progress goes to stderr; stdout carries only the JSON document."""
     print(*parts, file=sys.stderr, flush=True)
@@ -338,6 +353,11 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return cpu, flags
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's flags from /proc/cpuinfo (empty where unreadable)."""
+    return _cpuinfo()[1]
+
+
 def cache_sizes(cpu: int = 0) -> dict[str, str]:
     """Cache sizes of one CPU from sysfs, e.g. {'L1d': '32K', 'L2': '1024K', 'L3': '32768K'}."""
     out: dict[str, str] = {}
@@ -360,7 +380,8 @@ def cache_sizes(cpu: int = 0) -> dict[str, str]:
 
 
 def package_versions(names: Sequence[str] = ("jax", "jaxlib", "torch", "transformers", "sentence-transformers",
-                                             "numpy", "grpcio", "tokenizers")) -> dict[str, str]:
+                                             "numpy", "grpcio", "tokenizers", "llama-cpp-python", "onnxruntime",
+                                             "onnx")) -> dict[str, str]:
     """Installed versions from package metadata: imports nothing, so it is safe in either process."""
     from importlib.metadata import PackageNotFoundError, version
 

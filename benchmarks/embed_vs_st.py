@@ -16,7 +16,16 @@ many threads as there are cores, which is also what XLA:CPU uses. Both sides run
 embeddings are compared before timing (cosine). The peer also probes the read bandwidth at
 the start and the end (the host line quotes the best).
 
-Run:  python -m benchmarks.embed_vs_st [--quick] [--repeats N]
+Second peer: ONNX Runtime (benchmarks/ort_peer.py, its own process, neither jax nor torch in
+it): the same weights exported with torch.onnx.export, optimized with onnxruntime's transformer
+optimizer at Optimum's O2 level, an InferenceSession on every usable core, float32, the HF fast
+tokenizer, mean pooling + L2 normalisation; the corpus in corpus order, B texts per run (as
+fastembed does), one call per sentence for batch 1. Its embeddings are checked against
+sentence-transformers' (cosine within 1e-5) before timing. Every round runs xlaserve, ONNX
+Runtime and sentence-transformers once each, the first side rotating. Skipped, and said so in
+the results, when onnxruntime is not installed (`pip install -e ".[bench]"`) or with --peers st.
+
+Run:  python -m benchmarks.embed_vs_st [--quick] [--repeats N] [--peers st,ort]
 """
 from __future__ import annotations
 
@@ -115,6 +124,41 @@ def run_latency(encode, sentences: list[str], pids: Sequence[int]) -> dict:
     return {"sentences_per_s": len(sentences) / dt, "seconds": dt, "latencies": lat, "cpu": w.result}
 
 
+def check_ort(ort: Peer, peer: Peer, texts: list[str]) -> dict:
+    """ONNX Runtime's embeddings against sentence-transformers' (the ORT export's own check)."""
+    import numpy as np
+
+    for p in (ort, peer):
+        p.call("set_texts", key="check", texts=texts)
+    a = np.asarray(ort.call("encode", key="check", batch_size=32, return_embeddings=True)["embeddings"], np.float64)
+    b = np.asarray(peer.call("st_encode", key="check", batch_size=32, return_embeddings=True)["embeddings"], np.float64)
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return {"n": len(texts), "vs": "sentence-transformers float32", "min_cosine": float(cos.min()),
+            "max_abs_diff": float(np.abs(a - b).max()), "bound": "1 - cosine <= 1e-5",
+            "ok": bool(1 - cos.min() <= 1e-5), "peer_dtype": "float32"}
+
+
+def start_ort(peers: list[str], path: str) -> tuple[Peer | None, dict]:
+    """The ONNX Runtime peer with the O2 model loaded, or (None, why not)."""
+    import importlib.util
+
+    if "ort" not in peers:
+        return None, {"skipped": "not requested (--peers)"}
+    if importlib.util.find_spec("onnxruntime") is None:
+        C.log("onnxruntime is not installed: no ONNX Runtime rows (pip install -e '.[bench]')")
+        return None, {"skipped": "onnxruntime not installed (pip install -e '.[bench]')"}
+    from benchmarks.ort_peer import ensure_onnx
+
+    files = ensure_onnx(path)
+    C.log("starting the ONNX Runtime peer process ...")
+    ort = Peer(module="benchmarks.ort_peer")
+    info = ort.call("load", onnx_path=files["optimized"], model_path=path)
+    return ort, {"process": "benchmarks/ort_peer.py subprocess (no jax, no torch)", **ort.hello, **info,
+                 "model_file": files["optimized"], "export": files["info"], "dtype": "float32",
+                 "how": "corpus in corpus order, B texts per session.run (tokenize, run, mean pool, normalize); "
+                        "batch 1: one call per sentence"}
+
+
 def limits_probe(peer: Peer, quick: bool) -> dict:
     return peer.limits(0.5 if quick else 2.0, 3 if quick else 5, matmul=False)
 
@@ -129,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--retries", type=int, default=None,
                     help="extra rounds allowed when a round was disturbed by other processes (default 3; quick 0)")
     ap.add_argument("--batch-sizes", default="1,32,128")
+    ap.add_argument("--peers", default="st,ort",
+                    help="peers beside the engine: st (sentence-transformers), ort (ONNX Runtime; skipped with a "
+                         "note when not installed). Default st,ort")
     C.add_round_args(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     quick = a.quick
@@ -149,7 +196,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     C.log("starting the sentence-transformers peer process ...")
     peer = Peer()
-    total.pids = [peer.pid]
+    peers = [p.strip() for p in a.peers.split(",") if p.strip()]
+    ort, ort_setup = start_ort(peers, path)
+    pids = [peer.pid] + ([ort.pid] if ort else [])
+    for p in (peer, ort):
+        if p:
+            p.window_pids = pids
+    total.pids = pids
     probes = [limits_probe(peer, quick)]
     st_load = peer.call("st_load", path=path)
     peer.call("set_texts", key="corpus", texts=corpus)
@@ -163,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "tokens_per_sentence_mean": C.rnd(sum(lens) / len(lens), 1), "tokens_min": min(lens), "tokens_max": max(lens),
         "batch_sizes": batch_sizes, "repeats": repeats, "latency_calls_per_repeat": lat_n,
         "torch_threads": peer.hello["torch_threads"], "st_load_s": C.rnd(st_load["load_s"], 2),
-        "engine_load_and_warmup_s": C.rnd(eng.load_s, 2),
+        "engine_load_and_warmup_s": C.rnd(eng.load_s, 2), "peers": peers, "onnxruntime": ort_setup,
         "how": {"xlaserve": "the corpus in corpus order, one EmbedRequest of B texts after another (awaited)",
                 "sentence_transformers": "encode(whole corpus, batch_size=B) in one call, in its own process; "
                                          "it sorts the corpus by length itself",
@@ -171,15 +224,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     doc["correctness"] = check_equal(eng, peer, corpus[:64])
     C.log("correctness:", doc["correctness"])
+    if ort:
+        doc["correctness_onnxruntime"] = check_ort(ort, peer, corpus[:64])
+        C.log("ONNX Runtime vs sentence-transformers:", doc["correctness_onnxruntime"])
+        for k, v in (("corpus", corpus), ("latency", corpus[:lat_n]), ("warm", corpus[:max(batch_sizes)])):
+            ort.call("set_texts", key=k, texts=v)
 
     # warm both paths at every batch size (allocator, caches, oneDNN primitive cache)
     peer.call("set_texts", key="warm", texts=corpus[:max(batch_sizes)])
     for B in batch_sizes:
         eng.encode(corpus[:B])
         peer.call("st_encode", key="warm", batch_size=B)
+        if ort:
+            ort.call("encode", key="warm", batch_size=B)
     compiles_before = C.compile_counts(eng.engine)
-
-    pids = [peer.pid]
     lat_sentences = corpus[:lat_n]
     runs: dict[int, dict[str, list[dict]]] = {}
     for i, B in enumerate(batch_sizes):
@@ -193,8 +251,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 peer.timed("st_encode", key="corpus", batch_size=B)
             res["headline"] = f"{res['sentences_per_s']:.1f} sentences/s"
             return res
-        runs[B] = C.run_pairs({"xlaserve": engine_side, "sentence_transformers": peer_side},
-                              repeats, retries, label=f"batch {B}", first=i, quiet_s=quiet_s)
+        def ort_side(B: int = B) -> dict:
+            res = ort.timed("latency", key="latency") if B == 1 else ort.timed("encode", key="corpus", batch_size=B)
+            res["headline"] = f"{res['sentences_per_s']:.1f} sentences/s"
+            return res
+        sides = {"xlaserve": engine_side, **({"onnxruntime": ort_side} if ort else {}),
+                 "sentence_transformers": peer_side}
+        runs[B] = C.run_pairs(sides, repeats, retries, label=f"batch {B}", first=i, quiet_s=quiet_s)
     probes.append(limits_probe(peer, quick))
 
     compiles_after = C.compile_counts(eng.engine)
@@ -211,9 +274,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                                         higher_is_better=False),
         "compilations_after_warmup": C.target(compiles_after["engine_after_warmup"], 0, higher_is_better=False),
     }
+    if ort:
+        doc["targets"].update({
+            **{f"sentences_per_s_ratio_b{B}_vs_onnxruntime": C.target(res.get(f"batch_{B}", {}).get("ratio_vs_ort"), 1.2)
+               for B in batch_sizes if B in (32, 128)},
+            "b1_latency_p50_ratio_engine_over_onnxruntime": C.target(b1.get("latency_p50_ratio_engine_over_ort"), 1.0,
+                                                                     higher_is_better=False),
+            "onnxruntime_matches_sentence_transformers": C.target(doc["correctness_onnxruntime"]["min_cosine"], 1 - 1e-5),
+        })
     doc["engine_issues"] = [eng.engine_issue] if eng.engine_issue else []
     doc["limits"] = C.combine_limits(probes)
-    doc["process_isolation"] = {"engine": C.isolation_report(C.ENGINE_BLOCKED), "peer": peer.isolation()}
+    doc["process_isolation"] = {"engine": C.isolation_report(C.ENGINE_BLOCKED), "peer": peer.isolation(),
+                                **({"onnxruntime": ort.isolation()} if ort else {})}
     doc["cpu"] = total.stop()
     doc["rounds"] = {f"batch_{B}": {"total": len(runs[B]["xlaserve"]),
                                     "clean": sum(x["clean"] for x in runs[B]["xlaserve"])} for B in batch_sizes}
@@ -222,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         doc["plots"] = plots(res, batch_sizes, quick, doc["cpu"])
     eng.close()
     peer.close()
+    if ort:
+        ort.close()
     return C.finish(doc, NAME, quick)
 
 
@@ -247,6 +321,21 @@ def summarize(runs: dict, batch_sizes: list[int]) -> dict:
         }
         if B == 1:
             row.update(latency_summary(e, s))
+        o = runs[B].get("onnxruntime")
+        if o:
+            po = C.paired_summary(e, o, "sentences_per_s", 1)
+            row.update({"ort_sentences_per_s": po["b_clean"] if po["clean_rounds"] else po["b"],
+                        "ratio_vs_ort": po["best"], "ort_dtype": "float32", "all_rounds_vs_ort": po,
+                        "ort_runs": [C.rnd(x["sentences_per_s"], 1) for x in o]})
+            row["cpu_share_runs"]["ort"] = [x["cpu"]["cpu_share_of_cores"] for x in o]
+            row["others_share_runs"]["ort"] = [x["cpu"]["others_share_of_cores"] for x in o]
+            if B == 1:
+                use_o = [x for x in o if x["clean"]] or o
+                row["ort_latency_ms"] = C.summarize([t for x in use_o for t in x["latencies"]], 1e3)
+                row["ort_latency_p50_ms_runs"] = [C.rnd(C.percentile(x["latencies"], 50) * 1e3) for x in o]
+                for q in ("p50", "p99"):
+                    row[f"latency_{q}_ratio_engine_over_ort"] = C.ratio(row["xlaserve_latency_ms"].get(q),
+                                                                       row["ort_latency_ms"].get(q))
         out[f"batch_{B}"] = row
     return out
 
@@ -270,6 +359,8 @@ def plots(res: dict, batch_sizes: list[int], quick: bool, cpu: dict) -> list[str
     p1 = C.bar_plot(C.result_path(NAME, quick, "png"), "all-MiniLM-L6-v2 embeddings, CPU: sentences/s",
                     [f"batch {B}" for B in batch_sizes],
                     {"xlaserve": [res[f"batch_{B}"]["xlaserve_sentences_per_s"] for B in batch_sizes],
+                     **({"ONNX Runtime (O2)": [res[f"batch_{B}"].get("ort_sentences_per_s") for B in batch_sizes]}
+                        if any("ort_sentences_per_s" in res[f"batch_{B}"] for B in batch_sizes) else {}),
                      "sentence-transformers": [res[f"batch_{B}"]["st_sentences_per_s"] for B in batch_sizes]},
                     "sentences / s (higher is better)", note)
     out = [C.rel(p1)]
@@ -278,6 +369,8 @@ def plots(res: dict, batch_sizes: list[int], quick: bool, cpu: dict) -> list[str
         p2 = C.bar_plot(C.result_path(NAME + "_latency", quick, "png"), "batch-1 latency",
                         ["p50", "p90", "p99"],
                         {"xlaserve": [b1["xlaserve_latency_ms"].get(k) for k in ("p50", "p90", "p99")],
+                         **({"ONNX Runtime (O2)": [b1["ort_latency_ms"].get(k) for k in ("p50", "p90", "p99")]}
+                            if "ort_latency_ms" in b1 else {}),
                          "sentence-transformers": [b1["st_latency_ms"].get(k) for k in ("p50", "p90", "p99")]},
                         "ms (lower is better)", note)
         out.append(C.rel(p2))

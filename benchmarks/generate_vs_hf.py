@@ -13,10 +13,21 @@ batch 16. Peer: `model.generate` with `cache_implementation="static"` and (float
 default dynamic cache, sdpa attention, torch using every core, in a benchmarks/peer_worker.py
 subprocess (no jax there, no torch here), loaded once per dtype and alternated round by round.
 
+Second peer: llama.cpp (llama-cpp-python, benchmarks/llamacpp_peer.py, its own process), on GGUF
+files converted from the same HF folder by llama.cpp's own convert_hf_to_gguf.py
+(benchmarks/gguf.py), greedy, every usable core; batch B as B sequences of one llama_batch per
+step (the way llama-batched-bench runs; see llamacpp_peer.py). Skipped, and said so in the
+results, when llama_cpp is not installed (`pip install -e ".[bench]"`) or with --peers hf.
+
 Rows and their peers (every ratio names the peer's dtype):
-  float32   engine float32            vs transformers float32 (targets)
-  bfloat16  engine bfloat16 weights   vs transformers bfloat16 (torch_dtype=torch.bfloat16)
-  int8      engine int8 weight-only   vs transformers float32 (torch has no weight-only int8 here)
+  float32   engine float32            vs transformers float32 (targets), llama.cpp F32
+  bfloat16  engine bfloat16 weights   vs transformers bfloat16 (torch_dtype=torch.bfloat16),
+                                         llama.cpp BF16 where the CPU has avx512_bf16, else F16
+                                         (--llamacpp-half forces one; both 2 bytes per weight)
+  int8      engine int8 weight-only   vs transformers float32 (torch has no weight-only int8 here),
+                                         llama.cpp Q8_0
+Each round runs every side once, one after the other (xlaserve, llama.cpp, transformers static,
+transformers dynamic), the first side rotating from round to round; figures are medians.
 On CPU the engine keeps the KV cache in float32 whatever the weight dtype (backend.kv_dtype);
 the roofline uses the KV itemsize the engine really allocated.
 
@@ -48,7 +59,7 @@ Roofline, per row: min(bandwidth roofline, compute roofline).
 Prefill roofline: linear + attention FLOPs / the same matmul rate.
 
 Run:  python -m benchmarks.generate_vs_hf [--quick] [--repeats N] [--dtypes float32,bfloat16,int8]
-                                          [--no-sampled]
+                                          [--no-sampled] [--peers hf,llamacpp] [--llamacpp-half auto]
 """
 from __future__ import annotations
 
@@ -66,6 +77,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
+from benchmarks import gguf as G
 from benchmarks.peer_worker import Peer
 
 NAME = "generate_vs_hf"
@@ -89,8 +101,7 @@ PEER_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}
 
 
 def cache_root() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "xlaserve", "bench-models")
+    return C.bench_cache_root()
 
 
 def ensure_model(name: str, root: str | None = None) -> str:
@@ -223,6 +234,13 @@ def hf_round(peer: Peer, dtype: str, prompts: list[list[int]], new_tokens: int, 
     return res
 
 
+def llamacpp_round(peer: Peer, prompts: list[list[int]], new_tokens: int) -> dict:
+    """One llama.cpp round (the GGUF loaded for this row) in its process, in a CPU window."""
+    res = peer.timed("generate", prompts=prompts, new_tokens=new_tokens)
+    res["headline"] = f"prefill {res['prefill_s'] * 1e3:.0f} ms, decode {res['decode_tok_s']:.1f} tok/s"
+    return res
+
+
 async def engine_requests(engine, prompts: list[list[int]], new_tokens: int, sampling: dict | None = None) -> dict:
     """Submit every prompt at once (greedy unless `sampling` is given), ignoring EOS; time every
     streamed token. Sampled requests get fixed seeds (request i: seed i), so rounds repeat."""
@@ -285,8 +303,8 @@ def _shape(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
 
 def matmul_params(cfg: dict) -> int:
     """Parameters every token multiplies with: the layers' linears and the lm_head (not the embedding)."""
-    L, H, nh, kvh, hd, I, V = _shape(cfg)
-    return L * (H * (nh + 2 * kvh) * hd + nh * hd * H + 3 * H * I) + H * V
+    L, H, nh, kvh, hd, inter, V = _shape(cfg)
+    return L * (H * (nh + 2 * kvh) * hd + nh * hd * H + 3 * H * inter) + H * V
 
 
 def decode_flops(cfg: dict, batch: int, ctx: float) -> float:
@@ -365,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--bandwidth-gib", type=float, default=None, help="probe buffer (default 2; quick 0.5)")
     ap.add_argument("--model-dir", default=None, help="where the random model is cached")
     ap.add_argument("--no-sampled", action="store_true", help="skip the sampled-vs-greedy decode rows")
+    ap.add_argument("--peers", default="hf,llamacpp",
+                    help="peers beside the engine: hf (transformers generate), llamacpp (llama-cpp-python; skipped "
+                         "with a note when not installed). Default hf,llamacpp")
+    ap.add_argument("--llamacpp-half", choices=["auto", "bf16", "f16"], default="auto",
+                    help="GGUF type against the bfloat16 row (default auto: BF16 with avx512_bf16, else F16)")
     ap.add_argument("--merge", action="store_true",
                     help="merge this run's rows into the previous results file (re-measure disturbed parts)")
     C.add_round_args(ap)
@@ -381,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         # the issue's 512 for the real runs; quick mode keeps the bucket lists (and warmup) short
         "max_model_len": max(128 if quick else 512, 2 ** (prompt_len + new_tokens - 1).bit_length()),
         "bandwidth_gib": a.bandwidth_gib or (0.5 if quick else 2.0), "probe_repeats": 3 if quick else 5,
+        "peers": [p.strip() for p in a.peers.split(",") if p.strip()],
     }
     dtypes = [d.strip() for d in (a.dtypes or ("float32" if quick else "float32,bfloat16,int8")).split(",") if d.strip()]
 
@@ -392,17 +416,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
         cfg = json.load(f)
     C.log("starting the transformers peer process; measuring machine limits ...")
     peer = Peer()
-    total.pids = [peer.pid]
+    llama, llama_note = start_llamacpp(run)
+    pids = [peer.pid] + ([llama.pid] if llama else [])
+    peer.window_pids = pids
+    if llama:
+        llama.window_pids = pids
+    total.pids = pids
     probes = [probe_limits(peer, run)]
     hf_loaded: dict[str, dict] = {}
+    llama_loaded: dict[str, dict] = {}
     raw: dict[str, dict] = {}
     sampled: dict[str, dict] = {}
     for dtype in dtypes:
         peer_dtype = PEER_DTYPE[dtype]
-        if peer_dtype not in hf_loaded:
+        if "hf" in run["peers"] and peer_dtype not in hf_loaded:
             hf_loaded[peer_dtype] = load_peer_model(peer, path, peer_dtype, run, cfg["vocab_size"])
+        ltype = G.llama_type(dtype, half=a.llamacpp_half) if llama else None
+        if llama:
+            llama_loaded[dtype] = load_llamacpp_model(llama, path, ltype, run, cfg["vocab_size"])
         raw[dtype] = measure_row(path, dtype, peer, run, cfg["vocab_size"],
-                                 sampled_into=sampled if dtype == "float32" and not a.no_sampled else None)
+                                 sampled_into=sampled if dtype == "float32" and not a.no_sampled else None,
+                                 llama=llama, llama_type=ltype)
+        if llama:
+            llama.call("unload")
         probes.append(probe_limits(peer, run))
     if not a.no_sampled:
         names = ([] if model_name in sampled else [model_name]) + [f"{model_name}-v152k"]
@@ -411,11 +447,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     doc["limits"] = limits
     doc["setup"] = {
         "model": model_name, "config": {k: cfg[k] for k in MODELS[model_name]},
-        "params": next(iter(hf_loaded.values()))["params"] if hf_loaded else None, "model_dir": path,
+        "params": next(iter(hf_loaded.values()))["params"] if hf_loaded else
+        (next(iter(llama_loaded.values()))["params"] if llama_loaded else None), "model_dir": path,
+        "peers": run["peers"],
         "prompt_len": prompt_len, "new_tokens": new_tokens, "batches": batches, "repeats": run["repeats"],
         "retries": run["retries"], "torch_threads": peer.hello["torch_threads"],
         "peer": {"process": "benchmarks/peer_worker.py subprocess", "dtypes": PEER_DTYPE,
                  "load_s": {d: C.rnd(x["load_s"], 2) for d, x in hf_loaded.items()}},
+        "llamacpp": llamacpp_setup(llama, llama_note, llama_loaded, a.llamacpp_half),
         "engine_args": {"max_running_requests": run["max_running"], "max_num_batched_tokens": run["max_running"] * 128,
                         "max_model_len": run["max_model_len"], "page_size": 16, "enable_prefix_cache": False},
         "sampling": "greedy (temperature 0), ignore_eos, max_new_tokens = new_tokens",
@@ -423,9 +462,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     doc["rows"] = {d: summarize_row(r, cfg, limits, run, d) for d, r in raw.items()}
     if sampled:
         doc["sampled"] = sampled
-    doc["process_isolation"] = {"engine": C.isolation_report(C.ENGINE_BLOCKED), "peer": peer.isolation()}
+    doc["process_isolation"] = {"engine": C.isolation_report(C.ENGINE_BLOCKED), "peer": peer.isolation(),
+                                **({"llamacpp": llama.isolation()} if llama else {})}
     doc["cpu"] = total.stop()
     peer.close()
+    if llama:
+        llama.close()
     doc["busy_processes_at_end"] = C.busy_processes()
     if a.merge:
         doc = merge_into_previous(doc, quick)
@@ -434,6 +476,44 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not a.no_plot:
         doc["plots"] = plots(doc["rows"], batches, quick, doc["cpu"], doc["setup"])
     return C.finish(doc, NAME, quick)
+
+
+def start_llamacpp(run: dict) -> tuple[Peer | None, str | None]:
+    """The llama.cpp peer process, or (None, why not)."""
+    import importlib.util
+
+    if "llamacpp" not in run["peers"]:
+        return None, "not requested (--peers)"
+    if importlib.util.find_spec("llama_cpp") is None:
+        C.log("llama-cpp-python is not installed: no llama.cpp rows (pip install -e '.[bench]')")
+        return None, "llama-cpp-python not installed (pip install -e '.[bench]')"
+    C.log("starting the llama.cpp peer process ...")
+    return Peer(module="benchmarks.llamacpp_peer"), None
+
+
+def load_llamacpp_model(llama: Peer, path: str, gguf_type: str, run: dict, vocab: int) -> dict:
+    """Convert (once) and load this row's GGUF in the llama.cpp peer; warm every batch size."""
+    gguf = G.ensure_gguf(path, gguf_type)
+    C.log(f"loading llama.cpp ({gguf_type}) in its peer process ...")
+    info = llama.call("load", path=gguf, batches=run["batches"], prompt_len=run["prompt_len"],
+                      new_tokens=run["new_tokens"])
+    for B in run["batches"]:
+        llama.call("generate", prompts=make_prompts(B, run["prompt_len"], vocab, 999), new_tokens=4)
+    return {**info, "gguf_type": gguf_type}
+
+
+def llamacpp_setup(llama: Peer | None, note: str | None, loaded: dict, half: str) -> dict:
+    """What the results say about the llama.cpp peer: version, build, files, contexts; or why it is absent."""
+    if llama is None:
+        return {"skipped": note}
+    return {"process": "benchmarks/llamacpp_peer.py subprocess (no jax, no torch)", **llama.hello,
+            "converter": "llama.cpp's convert_hf_to_gguf.py from the llama-cpp-python sdist (benchmarks/gguf.py)",
+            "half_type_choice": half, "types": {d: x["gguf_type"] for d, x in loaded.items()},
+            "models": {d: {k: v for k, v in x.items() if k != "contexts"} for d, x in loaded.items()},
+            "contexts": next(iter(loaded.values()))["contexts"] if loaded else None,
+            "how": "low-level llama_cpp API: per batch size one context (n_seq_max = B); prefill = one llama_batch "
+                   "of B x prompt tokens; decode = one llama_batch of B tokens (seq_id 0..B-1) per step; "
+                   "greedy argmax; KV cleared before every call"}
 
 
 def probe_limits(peer: Peer, run: dict) -> dict:
@@ -463,15 +543,17 @@ def round_prompts(B: int, run: dict, vocab: int, base: int):
 
 
 def measure_row(path: str, dtype: str, peer: Peer, run: dict, vocab: int,
-                sampled_into: dict | None = None) -> dict:
-    """Alternating rounds engine / transformers for one engine dtype at every batch size."""
+                sampled_into: dict | None = None, llama: Peer | None = None, llama_type: str | None = None) -> dict:
+    """Alternating rounds engine / llama.cpp / transformers for one engine dtype at every batch size.
+
+    `llama` is the llama.cpp peer with this row's GGUF (`llama_type`) already loaded and warmed."""
     quant = "int8" if dtype == "int8" else "none"
     eng_dtype = "float32" if dtype == "int8" else dtype
     peer_dtype = PEER_DTYPE[dtype]
     C.log(f"loading + warming the engine ({dtype}) ...")
     gc.collect()
     try:
-        eng = EngineSide(path, eng_dtype, quant, run["max_running"], run["max_model_len"], pids=[peer.pid])
+        eng = EngineSide(path, eng_dtype, quant, run["max_running"], run["max_model_len"], pids=peer.window_pids)
     except Exception as e:  # noqa: BLE001 -- any load failure: report it in the row and carry on
         C.log(f"engine {dtype} failed to load: {e!r}")
         return {"error": f"load failed: {e!r}"}
@@ -479,13 +561,17 @@ def measure_row(path: str, dtype: str, peer: Peer, run: dict, vocab: int,
     for B in run["batches"]:
         eng.generate(make_prompts(B, run["prompt_len"], vocab, 998), 4)
     before = C.compile_counts(eng.engine)
+    hf = "hf" in run["peers"]
+    peer_dtypes = {**({"hf_static": peer_dtype} if hf else {}),
+                   **({"hf_dynamic": peer_dtype} if hf and dtype == "float32" else {}),
+                   **({"llamacpp": llama_type} if llama else {})}
     out: dict[str, Any] = {"engine_load_and_warmup_s": C.rnd(eng.load_s, 1), "weight_bytes": eng.weight_bytes(run["batches"]),
                            "kv_itemsize": eng.kv_itemsize(), "quantize": quant, "engine_dtype": eng_dtype,
-                           "peer_dtype": peer_dtype, "runs": {}}
+                           "peer_dtype": peer_dtype, "peer_dtypes": peer_dtypes, "runs": {}}
     for B in run["batches"]:
         prompts_for = round_prompts(B, run, vocab, 1000 * B)
         new = run["new_tokens"]
-        sides = row_sides(eng, peer, peer_dtype, prompts_for, new, dynamic=dtype == "float32")
+        sides = row_sides(eng, peer, peer_dtype, prompts_for, new, dynamic=dtype == "float32", hf=hf, llama=llama)
         out["runs"][B] = C.run_pairs(sides, run["repeats"], run["retries"], label=f"{dtype} b{B}",
                                      first=run["batches"].index(B), quiet_s=run["quiet_s"])
     after = C.compile_counts(eng.engine)
@@ -499,12 +585,17 @@ def measure_row(path: str, dtype: str, peer: Peer, run: dict, vocab: int,
     return out
 
 
-def row_sides(eng: EngineSide, peer: Peer, peer_dtype: str, prompts_for, new: int, dynamic: bool) -> dict:
-    """The round functions of one batch size: the engine, HF static cache (and HF dynamic cache)."""
-    sides = {"xlaserve": lambda: eng.generate(prompts_for("xlaserve"), new),
-             "hf_static": lambda: hf_round(peer, peer_dtype, prompts_for("hf_static"), new, "static")}
-    if dynamic:
-        sides["hf_dynamic"] = lambda: hf_round(peer, peer_dtype, prompts_for("hf_dynamic"), new, None)
+def row_sides(eng: EngineSide, peer: Peer, peer_dtype: str, prompts_for, new: int, dynamic: bool, hf: bool = True,
+              llama: Peer | None = None) -> dict:
+    """The round functions of one batch size, in round order: the engine, llama.cpp, HF static
+    cache (and HF dynamic cache)."""
+    sides = {"xlaserve": lambda: eng.generate(prompts_for("xlaserve"), new)}
+    if llama is not None:
+        sides["llamacpp"] = lambda: llamacpp_round(llama, prompts_for("llamacpp"), new)
+    if hf:
+        sides["hf_static"] = lambda: hf_round(peer, peer_dtype, prompts_for("hf_static"), new, "static")
+        if dynamic:
+            sides["hf_dynamic"] = lambda: hf_round(peer, peer_dtype, prompts_for("hf_dynamic"), new, None)
     return sides
 
 
@@ -544,7 +635,7 @@ def measure_sampled_models(names: list[str], model_dir: str | None, peer: Peer, 
             vocab = json.load(f)["vocab_size"]
         C.log(f"loading + warming the engine for sampled decode on '{name}' (vocab {vocab}) ...")
         gc.collect()
-        eng = EngineSide(path, "float32", "none", B, run["max_model_len"], pids=[peer.pid])
+        eng = EngineSide(path, "float32", "none", B, run["max_model_len"], pids=peer.window_pids)
         try:
             out[name] = measure_sampled(eng, run, vocab)
         finally:
@@ -563,7 +654,7 @@ def summarize_row(raw: dict, cfg: dict, limits: dict, run: dict, dtype: str) -> 
         per_step = per_step[str(B)] if isinstance(per_step, dict) else per_step   # older results: one number
         row[f"batch_{B}"] = summarize_batch(runs, cfg, per_step, raw["kv_itemsize"],
                                             B, run["prompt_len"], run["new_tokens"], limits, run["max_model_len"],
-                                            dtype)
+                                            dtype, raw.get("peer_dtypes"))
     return row
 
 
@@ -602,14 +693,17 @@ def merge_into_previous(doc: dict, quick: bool) -> dict:
 
 
 def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, B: int, prompt: int, new: int,
-                    limits: dict, max_model_len: int, dtype: str) -> dict:
+                    limits: dict, max_model_len: int, dtype: str, peer_dtypes: dict | None = None) -> dict:
+    """Per peer: medians, the ratios (named with that peer's dtype), greedy agreement; the roofline."""
     e = runs["xlaserve"]
+    peer_dtypes = peer_dtypes or {}
     out: dict[str, Any] = {"rounds": len(e), "clean_rounds": sum(x["clean"] for x in e),
                            "peer_dtype": PEER_DTYPE[dtype]}
     for peer in [k for k in runs if k != "xlaserve"]:
         h = runs[peer]
+        pdt = peer_dtypes.get(peer, PEER_DTYPE[dtype])
         # ratios are always "how many times better xlaserve is" (>1 = xlaserve wins), and name the peer's dtype
-        out["ratios_vs_" + peer] = {"peer_dtype": PEER_DTYPE[dtype]}
+        out["ratios_vs_" + peer] = {"peer_dtype": pdt}
         for key in ("prefill_s", "decode_tok_s", "e2e_s"):
             ps = C.paired_summary(e, h, key, 4 if key != "decode_tok_s" else 1)
             out.setdefault("xlaserve", {})[key] = ps["a_clean"] if ps["clean_rounds"] else ps["a"]
@@ -619,7 +713,7 @@ def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, 
                 r = C.rnd(1 / r)
             out["ratios_vs_" + peer][key] = r
             out.setdefault("all_rounds", {})[f"{peer}.{key}"] = ps
-        out[peer]["dtype"] = PEER_DTYPE[dtype]
+        out[peer]["dtype"] = pdt
         out[peer]["ms_per_step"] = C.rnd(C.median(x["ms_per_step"] for x in h), 2)
         out[peer]["cpu_share_runs"] = [x["cpu"]["cpu_share_of_cores"] for x in h]
     x = out["xlaserve"]
@@ -629,12 +723,13 @@ def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, 
     x["cpu_share_runs"] = [r["cpu"]["cpu_share_of_cores"] for r in e]
     x["others_share_runs"] = [r["cpu"]["others_share_of_cores"] for r in e]
     # correctness: engine greedy tokens vs HF (static) greedy tokens, same prompts
-    h = runs.get("hf_static", [])
-    if h:
-        pm = [prefix_match(a, b) for r1, r2 in zip(e, h) for a, b in zip(r1["output_ids"], r2["output_ids"])]
-        out["greedy_match_vs_hf"] = {"first_token_equal": sum(p > 0 for p in pm), "sequences": len(pm),
-                                     "matching_prefix_len_median": C.median(pm), "of": new,
-                                     "peer_dtype": PEER_DTYPE[dtype]}
+    for peer, key in (("hf_static", "greedy_match_vs_hf"), ("llamacpp", "greedy_match_vs_llamacpp")):
+        h = runs.get(peer, [])
+        if h:
+            pm = [prefix_match(a, b) for r1, r2 in zip(e, h) for a, b in zip(r1["output_ids"], r2["output_ids"])]
+            out[key] = {"first_token_equal": sum(p > 0 for p in pm), "sequences": len(pm),
+                        "matching_prefix_len_median": C.median(pm), "of": new,
+                        "peer_dtype": peer_dtypes.get(peer, PEER_DTYPE[dtype])}
     ps = 16
     pb_tokens = ps * next(b for b in _page_buckets(max_model_len // ps) if b * ps >= prompt + new)
     rl = roofline(cfg, weight_bytes, kv_itemsize, B, prompt, new, limits, compute_probe(dtype),
@@ -643,6 +738,7 @@ def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, 
     out["roofline_fraction"] = {
         "xlaserve_decode": C.ratio(x["decode_tok_s"], rl.get("decode_tok_s")),
         "hf_static_decode": C.ratio(out.get("hf_static", {}).get("decode_tok_s"), rl.get("decode_tok_s")),
+        "llamacpp_decode": C.ratio(out.get("llamacpp", {}).get("decode_tok_s"), rl.get("decode_tok_s")),
         "xlaserve_prefill": C.ratio(rl.get("prefill_s"), x["prefill_s"]),
     }
     return out
@@ -656,6 +752,29 @@ def _page_buckets(p_max: int) -> list[int]:
 
 
 def targets(rows: dict, batches: list[int]) -> dict:
+    out = hf_targets(rows, batches)
+    out.update(llamacpp_targets(rows, batches))
+    return out
+
+
+def llamacpp_targets(rows: dict, batches: list[int]) -> dict:
+    """The issue's targets against llama.cpp, per row (equal bytes per weight): decode at batch 1
+    >= 1.0x and at the largest batch >= 1.2x; prefill at both >= 1.0x."""
+    out = {}
+    for dtype, row in rows.items():
+        if not isinstance(row, dict) or "error" in row:
+            continue
+        for B in sorted({min(batches), max(batches)}):
+            r = row.get(f"batch_{B}", {}).get("ratios_vs_llamacpp")
+            if not r:
+                continue
+            tag = f"{dtype}_b{B}_vs_llamacpp_{r.get('peer_dtype')}"
+            out[f"{tag}_decode"] = C.target(r.get("decode_tok_s"), 1.0 if B == min(batches) else 1.2)
+            out[f"{tag}_prefill"] = C.target(r.get("prefill_s"), 1.0)
+    return out
+
+
+def hf_targets(rows: dict, batches: list[int]) -> dict:
     f = rows.get("float32", {})
     if "error" in f or not f:
         return {"float32": "missing"}
@@ -693,6 +812,11 @@ def plots(rows: dict, batches: list[int], quick: bool, cpu: dict, setup: dict) -
             continue
         series[f"xlaserve {dtype}"] = [row[f"batch_{B}"]["xlaserve"]["decode_tok_s"] for B in batches]
         prefill[f"xlaserve {dtype}"] = [C.rnd(row[f"batch_{B}"]["xlaserve"]["prefill_s"] * 1e3, 1) for B in batches]
+        lc = [row[f"batch_{B}"].get("llamacpp") or {} for B in batches]
+        if any(lc):
+            label = f"llama.cpp {next(x['dtype'] for x in lc if x)}"
+            series[label] = [x.get("decode_tok_s") for x in lc]
+            prefill[label] = [C.rnd(x["prefill_s"] * 1e3, 1) if x.get("prefill_s") else None for x in lc]
     f = rows.get("float32")
     if f and "error" not in f:
         for peer, label in (("hf_static", "HF static cache"), ("hf_dynamic", "HF dynamic cache")):

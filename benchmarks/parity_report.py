@@ -61,7 +61,7 @@ def decoder_family(name: str, root: str) -> dict:
     engine = Engine(small_args(models=[ModelSpec(name="m", path=path)], **kw))
     engine.load_all(progress=False, warmup=False)
     try:
-        worker = engine._workers["m"]
+        worker = engine.worker("m")
         errs = [_max_abs(engine_logits(worker, p), hf_models.hf_logits(model, p)) for p in PROMPTS]
         got = asyncio.run(greedy_all(engine, PROMPTS, GREEDY_TOKENS))
         equal = sum(toks == hf_models.hf_greedy(model, p, GREEDY_TOKENS) for p, toks in zip(PROMPTS, got))

@@ -13,7 +13,10 @@ All timings are taken here, inside the peer, around the peer's own call; the par
 each call in a CPU window that counts both processes (`Peer.timed`).
 
 The client class `Peer` imports only the standard library and benchmarks.common, so the
-engine process can use it without importing torch.
+engine process can use it without importing torch. The same protocol serves the other peers:
+`Peer(module="benchmarks.llamacpp_peer")` (llama.cpp) and `Peer(module="benchmarks.ort_peer")`
+(ONNX Runtime) start a worker of their own class through `run_worker` (neither jax nor torch in
+those processes).
 """
 from __future__ import annotations
 
@@ -40,13 +43,19 @@ class PeerError(RuntimeError):
 # client side (runs in the engine's process)
 # =============================================================================================
 class Peer:
-    """A running peer_worker subprocess; `call` sends one command and waits for its reply."""
+    """A running peer worker subprocess; `call` sends one command and waits for its reply.
 
-    def __init__(self) -> None:
+    `module` is the worker's module (default: this one, the torch peer). `window_pids` are the
+    processes every `timed` CPU window counts as ours (this peer's by default; a script with
+    several peers sets it to all of them, so an idle peer's stray CPU is not called 'others')."""
+
+    def __init__(self, module: str = "benchmarks.peer_worker") -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.peer_worker"], cwd=C.REPO_ROOT, env=env,
+        self.module = module
+        self.proc = subprocess.Popen([sys.executable, "-m", module], cwd=C.REPO_ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
+        self.window_pids = [self.pid]
         self.hello = self.call("hello")
 
     def call(self, cmd: str, **args: Any) -> Any:
@@ -63,7 +72,7 @@ class Peer:
 
     def timed(self, cmd: str, **args: Any) -> dict:
         """One measured round: the call inside a CPU window over this process and the peer."""
-        with C.cpu_window([self.pid]) as w:
+        with C.cpu_window(self.window_pids) as w:
             res = self.call(cmd, **args)
         res["cpu"] = w.result
         return res
@@ -264,9 +273,9 @@ class Worker:
                 "output_ids": out[:, T:].tolist()}
 
 
-def serve(inp, out) -> None:
+def serve(inp, out, worker_cls: type | None = None) -> None:
     """Answer commands from `inp` on `out` until `quit` or end of input."""
-    w = Worker()
+    w = (worker_cls or Worker)()
     for line in inp:
         if not line.strip():
             continue
@@ -284,12 +293,17 @@ def serve(inp, out) -> None:
         out.flush()
 
 
-def main() -> None:
-    C.block_modules(C.PEER_BLOCKED)
+def run_worker(worker_cls: type | None = None, blocked: tuple[str, ...] = C.PEER_BLOCKED) -> None:
+    """A worker process's main: block `blocked`, keep fd 1 for the replies, serve commands."""
+    C.block_modules(blocked)
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)               # anything printed from here on goes to stderr
     sys.stdout = sys.stderr
-    serve(sys.stdin, proto)
+    serve(sys.stdin, proto, worker_cls)
+
+
+def main() -> None:
+    run_worker(Worker)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 from benchmarks import common as C
 from benchmarks import generate_vs_hf as G
 from benchmarks.peer_worker import probe_limits
+from jax_engine.rows import DecodeRow, SamplingRow
 
 NAME = "profile_decode"
 
@@ -47,9 +48,8 @@ def bench(fn: Callable[[], Any], iters: int) -> dict:
             "ms_p90": C.rnd(C.percentile(ts, 90) * 1e3, 3)}
 
 
-def greedy_row() -> dict:
-    return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "rep_pen": 1.0, "freq_pen": 0.0,
-            "pres_pen": 0.0, "seeds": 0, "steps": 0, "bias": [], "ban": []}
+def greedy_row() -> SamplingRow:
+    return SamplingRow(temperature=0.0)
 
 
 # the four layer matrices as llama.forward multiplies them: einsum spec (XLA path), the kernel
@@ -145,11 +145,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     npg = (ctx + ps - 1) // ps
     pos = ctx - 1
 
-    def make_row(i: int, length: int) -> dict:
+    def make_row(i: int, length: int) -> DecodeRow:
         pg = list(range(1 + i * npg, 1 + i * npg + (length + ps - 1) // ps))
         p = length - 1
-        return {"token": 5, "position": p, "kv_slot": pg[p // ps] * ps + p % ps, "pages": pg,
-                "slot_id": i, "sampling": greedy_row()}
+        return DecodeRow(token=5, position=p, kv_slot=pg[p // ps] * ps + p % ps, pages=pg, slot_id=i,
+                         sampling=greedy_row())
 
     rows = [make_row(i, ctx) for i in range(B)]
     res["runner_decode"] = bench(lambda: runner.decode(rows, True), iters)

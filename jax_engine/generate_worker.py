@@ -5,28 +5,31 @@ the ('data', 'model') mesh). New requests go to the least-loaded replica.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import random
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from tqdm import tqdm
 
-from jax_engine import attention, backend, multihost
-from jax_engine.config import EngineArgs, ModelSpec
-from jax_engine.demo_model import is_demo_model
+from jax_engine import attention, backend
+from jax_engine.checkpoint.hf import load_tokenizer, read_config
+from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.detokenizer import IncrementalDetokenizer
-from jax_engine.errors import Internal, InvalidRequest, Overloaded
+from jax_engine.errors import AlreadyExists, Internal, InvalidRequest, Overloaded
 from jax_engine.kernels import choose as cpu_matmul
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig
-from jax_engine.models.llama_weights import count_params, load_hf_params
+from jax_engine.models.llama_weights import count_params, load_params
+from jax_engine.multihost import StepChannel
 from jax_engine.page_pool import PagePool
 from jax_engine.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
 from jax_engine.scheduler import Scheduler
@@ -41,7 +44,6 @@ from jax_engine.types import (
     ModelStats,
     SamplingParams,
 )
-from weights_convert.hf import CheckpointError, CheckpointReader, read_config
 
 log = logging.getLogger("xlaserve.generate")
 
@@ -62,15 +64,17 @@ def make_meshes(tp: int, replicas: int) -> list[Optional[Mesh]]:
 
 
 class GenerateWorker:
-    def __init__(self, spec: ModelSpec, args: EngineArgs):
-        from tqdm import tqdm
+    """One served decoder. `spec` is resolved against `args` here unless it already is;
+    `channel` (multi-host only) makes process 0 publish each runner call to the followers."""
 
+    def __init__(self, spec: Union[ModelSpec, ResolvedSpec], args: EngineArgs,
+                 channel: Optional[StepChannel] = None):
+        spec = spec if isinstance(spec, ResolvedSpec) else resolve(spec, args)
         self.spec, self.args = spec, args
         self._embed_groups: dict[str, list[str]] = {}
         hf = read_config(spec.path)
         cfg = LlamaConfig.from_hf(hf)
-        tp = spec.tp if spec.tp != 1 else args.tp
-        replicas = spec.replicas if spec.replicas != 1 else args.replicas
+        tp, replicas = spec.tp, spec.replicas
         if cfg.num_heads % tp:
             raise InvalidRequest(f"tp {tp} does not divide {cfg.num_heads} attention heads")
         kv_repeat = 1
@@ -80,68 +84,59 @@ class GenerateWorker:
             kv_repeat = tp // cfg.num_kv_heads
         elif cfg.num_kv_heads % tp:
             raise InvalidRequest(f"tp {tp} does not divide {cfg.num_kv_heads} KV heads")
-        import dataclasses
         self.cfg = dataclasses.replace(cfg, kv_repeat=kv_repeat)
-        self.dtype = backend.resolve_dtype(spec.dtype if spec.dtype != "auto" else args.dtype)
-        quant = spec.quantize if spec.quantize != "none" else args.quantize
-        if quant not in ("none", "int8"):
-            raise InvalidRequest(f"quantize {quant!r} is not supported (none, int8)")
-        if quant == "none":                      # a checkpoint converted with --quantize int8 is int8
-            from weights_convert.convert import converted_quantize
-            quant = converted_quantize(spec.path)
-        self.quantize = quant
-        self.max_model_len = min(spec.max_model_len or args.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
-        self.page_size = spec.page_size or args.page_size
+        self.dtype = backend.resolve_dtype(spec.dtype)
+        self.quantize = quant = spec.quantize
+        self.max_model_len = min(spec.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.page_size = spec.page_size
         self.cfg = dataclasses.replace(self.cfg, attention_backend=attention.resolve(
             args.attention_backend, self.cfg, self.page_size, self.dtype, tp))   # jax_engine/attention
         self.cfg = cpu_matmul.configure(                                        # jax_engine/kernels/choose.py
             args.cpu_matmul, self.cfg, backend.platform(), self.dtype, quant, tp,
-            decode_rows=spec.max_running_requests or args.max_running_requests,
-            prefill_tokens=spec.max_num_batched_tokens or args.max_num_batched_tokens)
-        max_running = spec.max_running_requests or args.max_running_requests
-        max_tokens = spec.max_num_batched_tokens or args.max_num_batched_tokens
+            decode_rows=spec.max_running_requests, prefill_tokens=spec.max_num_batched_tokens)
+        max_running, max_tokens = spec.max_running_requests, spec.max_num_batched_tokens
         self.tokenizer = load_tokenizer(spec.path)
-        self.eos_ids = set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        tok_eos = self.tokenizer.eos_token_id
+        self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.meshes = make_meshes(tp, replicas)
         self.replicas: list[Scheduler] = []
-        self.local_runners: dict[str, ModelRunner] = {}   # by "<model>/<replica>" (multi-host followers)
+        self.local_runners: dict[str, ModelRunner] = {}   # by "<model>/<replica>", never wrapped
         for r, mesh in enumerate(self.meshes):
             bar = tqdm(total=self.cfg.num_layers, desc=f"loading {spec.name} (replica {r})", unit="layer",
                        disable=not os.environ.get("XLASERVE_PROGRESS", "1") == "1")
-            params = llama.pack_for_kernel(_load_params(spec.path, self.cfg, self.dtype, quant, mesh, bar.update), self.cfg)
+            params = llama.pack_for_kernel(load_params(spec.path, self.cfg, self.dtype, quant, mesh, bar.update), self.cfg)
             bar.close()
             rc = RunnerConfig(page_size=self.page_size, num_pages=0, max_running=max_running,
                               max_batched_tokens=max_tokens, max_model_len=self.max_model_len,
                               max_n=args.max_n, top_n=max(1, args.max_top_logprobs),
                               page_bucket_ratio=max(2, args.page_bucket_ratio))
-            rc.num_pages = spec.num_pages or args.num_pages or self._auto_pages(rc)
+            rc.num_pages = spec.num_pages or self._auto_pages(rc)
             runner = ModelRunner(self.cfg, params, rc, mesh, self.dtype)
-            if multihost.active():
-                self.local_runners[f"{spec.name}/{r}"] = runner
-                if jax.process_index() == 0:
-                    runner = multihost.LeaderRunner(runner, f"{spec.name}/{r}", multihost.channel())
-            pool = PagePool(rc.num_pages, self.page_size,
-                            enable_prefix_cache=spec.enable_prefix_cache if spec.enable_prefix_cache is not None
-                            else args.enable_prefix_cache, ttl_s=spec.prefix_cache_ttl_s)
+            self.local_runners[f"{spec.name}/{r}"] = runner
+            if channel is not None and jax.process_index() == 0:
+                runner.mirror = (channel, f"{spec.name}/{r}")     # publish each device call to the followers
+            pool = PagePool(rc.num_pages, self.page_size, enable_prefix_cache=spec.enable_prefix_cache,
+                            ttl_s=spec.prefix_cache_ttl_s)
             self.replicas.append(Scheduler(runner, pool, self.eos_ids, self.max_model_len, f"{spec.name}/{r}"))
         tok = self.tokenizer
         self.info = ModelInfo(
             name=spec.name, path=os.path.abspath(spec.path), tokenizer_path=os.path.abspath(spec.path), task="generate",
             architecture=cfg.architecture, model_type=cfg.model_type, dtype=jnp.dtype(self.dtype).name,
             vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, num_params=count_params(cfg),
-            eos_token_ids=sorted(self.eos_ids), bos_token_id=cfg.bos_token_id if cfg.bos_token_id is not None else tok.bos_token_id,
+            eos_token_ids=sorted(self.eos_ids),
+            bos_token_id=cfg.bos_token_id if cfg.bos_token_id is not None else tok.bos_token_id,
             pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else tok.pad_token_id,
             hidden_size=cfg.hidden_size, embedding_dim=cfg.hidden_size, tp=tp, replicas=replicas,
             page_size=self.page_size, quantization=quant,
-            random_weights=spec.random_weights or is_demo_model(spec.path),
+            random_weights=spec.random_weights,
         )
 
     def _auto_pages(self, rc: RunnerConfig) -> int:
         """Enough pages for every running row at full context, capped by a memory budget."""
         want = rc.max_running * math.ceil(rc.max_model_len / rc.page_size) + 1
         c = self.cfg
-        per_page = 2 * c.num_layers * rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * backend.kv_dtype(self.dtype).itemsize
+        per_page = (2 * c.num_layers * rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim
+                    * backend.kv_dtype(self.dtype).itemsize)
         budget = 4 << 30
         try:
             stats = jax.local_devices()[0].memory_stats() or {}
@@ -180,7 +175,6 @@ class GenerateWorker:
         max_new = self._validate(req, ids)
         sched = min(self.replicas, key=lambda s: s.load())
         if any(req.request_id in s.requests for s in self.replicas):
-            from jax_engine.errors import AlreadyExists
             raise AlreadyExists(f"request_id {req.request_id!r} is already active")
         self._check_queue()
         p = req.params
@@ -385,25 +379,6 @@ class GenerateWorker:
         return [MatmulRoute(r["weight"], r["shape_class"], r["path"]) for r in plan.summary()]
 
 
-def load_tokenizer(path: str):
-    """The folder's HF tokenizer (local files only), with a clear error when it is missing."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:
-        raise CheckpointError(f"cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}") from e
-
-
 def _finite(v: float, name: str, lo: float, hi: float) -> None:
     if not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
         raise InvalidRequest(f"{name}: must be a finite number in [{lo}, {hi}], got {v}")
-
-
-def _load_params(path: str, cfg: LlamaConfig, dtype, quant: str, mesh, progress) -> dict:
-    """HF folder, or a checkpoint written by `xlaserve convert` (already in our layout)."""
-    from weights_convert.convert import is_converted, load_converted
-
-    if is_converted(path):
-        return load_converted(path, cfg, dtype, quant, mesh, progress)
-    return load_hf_params(CheckpointReader(path), cfg, dtype, quant, mesh, progress=progress)

@@ -2,14 +2,19 @@
 
 JAX is multi-controller: every process must launch the same programs, in the same order, with
 the same host inputs. So process 0 runs the fronts and the schedulers as usual, and each of its
-model runners is wrapped in a `LeaderRunner` that publishes every device-touching call (decode,
-prefill, first tokens, ...) before making it. The other processes build the same decoder
+model runners publishes every device-touching call (decode, prefill, first tokens, ...; the
+methods runner.py marks `@mirrored`) before making it. The other processes build the same decoder
 runners (same flags, same checkpoint), compile the same buckets, and `follow` the published
 calls one by one. The calls travel through the key-value store of JAX's own coordination
 service (`jax.distributed`), not through a channel of ours.
 
 A step's outputs are replicated over the mesh (runner.py constrains them), so process 0 reads
 them from its own devices; followers never fetch anything.
+
+The channel is made once, by `initialize`, in the process's entry point (frontends/cli.py),
+and handed down: process 0's Engine gives it to each decoder worker, which sets it as its
+runners' `mirror`;
+a follower passes it to `follow`. There is no module-level state here.
 
 Failure model: the processes are one job. If any process dies, the collectives of the others
 cannot complete; JAX's coordination service notices the missing heartbeats and ends the job.
@@ -20,15 +25,17 @@ import base64
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from jax_engine.rows import ROW_TYPES
+from jax_engine.runner import MIRRORED
+
 log = logging.getLogger("xlaserve.multihost")
 
 # Runner methods that launch device programs; everything else is host-side and stays local.
-MIRRORED = ("decode", "prefill", "first_tokens", "prompt_logprobs", "copy_page", "set_slot", "reset_state")
 _PREFIX = "xlaserve/step/"
 _KEEP = 256          # published calls kept in the store (followers lag a step at most: collectives)
 _STOP = "__stop__"
@@ -45,43 +52,33 @@ class DistributedArgs:
         return self.num_processes > 1
 
 
-_channel: Optional["StepChannel"] = None
-
-
-def initialize(dist: DistributedArgs) -> None:
-    """jax.distributed.initialize (must run before anything touches a JAX backend)."""
-    global _channel
+def initialize(dist: DistributedArgs) -> Optional["StepChannel"]:
+    """jax.distributed.initialize (must run before anything touches a JAX backend); returns the
+    step channel every process of the slice shares (None with one process)."""
     if not dist.enabled:
-        return
+        return None
     if not dist.coordinator_address:
         raise ValueError("--num-processes > 1 needs --coordinator-address HOST:PORT (process 0's address)")
     if not 0 <= dist.process_id < dist.num_processes:
         raise ValueError(f"--process-id must be in [0, {dist.num_processes}), got {dist.process_id}")
-    import jax
+    import jax  # heavy: jax (imported only once the slice is set up)
 
     # CPU collectives across processes need a transport; on GPU/TPU the platform provides one.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(dist.coordinator_address, num_processes=dist.num_processes,
                                process_id=dist.process_id)
-    _channel = StepChannel(dist.process_id)
     log.info("process %d of %d joined %s: %d global devices, %d local", dist.process_id, dist.num_processes,
              dist.coordinator_address, jax.device_count(), jax.local_device_count())
-
-
-def active() -> bool:
-    return _channel is not None
-
-
-def channel() -> "StepChannel":
-    if _channel is None:
-        raise RuntimeError("multihost.initialize was not called")
-    return _channel
+    return StepChannel(dist.process_id)
 
 
 def encode(message: tuple) -> bytes:
-    """JSON with numpy arrays as {"__nd__": [dtype, shape, base64]}. Not pickle: whoever can
-    reach the coordinator's port could otherwise run code on every follower."""
+    """JSON with numpy arrays as {"__nd__": [dtype, shape, base64]} and runner rows as
+    {"__row__": [type, fields]}. Not pickle: whoever can reach the coordinator's port could
+    otherwise run code on every follower."""
     def default(o: Any) -> Any:
+        if is_dataclass(o) and type(o).__name__ in ROW_TYPES:
+            return {"__row__": [type(o).__name__, {f.name: getattr(o, f.name) for f in fields(o)}]}
         if isinstance(o, np.ndarray):
             a = np.ascontiguousarray(o)
             return {"__nd__": [a.dtype.str, list(a.shape), base64.b64encode(a.tobytes()).decode("ascii")]}
@@ -96,6 +93,9 @@ def decode(data: bytes) -> tuple:
         if len(d) == 1 and "__nd__" in d:
             dtype, shape, b64 = d["__nd__"]
             return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dtype)).reshape(shape).copy()
+        if len(d) == 1 and "__row__" in d:
+            kind, values = d["__row__"]
+            return ROW_TYPES[kind](**values)
         return d
     return tuple(json.loads(data, object_hook=hook))
 
@@ -104,7 +104,7 @@ class StepChannel:
     """An ordered log of runner calls in the coordination service's key-value store."""
 
     def __init__(self, process_id: int):
-        from jax._src import distributed
+        from jax._src import distributed  # heavy: jax
 
         self.client = distributed.global_state.client
         self.process_id = process_id
@@ -138,33 +138,8 @@ class StepChannel:
             self.publish((_STOP,))
 
 
-class LeaderRunner:
-    """A ModelRunner proxy on process 0: publishes each device call, then makes it."""
-
-    def __init__(self, runner: Any, key: str, chan: StepChannel):
-        self._runner, self._key, self._chan = runner, key, chan
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._runner, name)
-        if name not in MIRRORED:
-            return attr
-
-        def call(*args: Any) -> Any:
-            with self._chan.lock:
-                self._chan.publish((self._key, name, args))
-                return attr(*args)
-        return call
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._runner, name, value)
-
-
-def follow(runners: dict[str, Any], on_call: Optional[Callable[[str, str], None]] = None) -> int:
+def follow(runners: dict[str, Any], chan: StepChannel, on_call: Optional[Callable[[str, str], None]] = None) -> int:
     """Follower main loop: replay process 0's runner calls until it says stop. Returns the count."""
-    chan = channel()
     n = 0
     while True:
         msg = chan.receive()
@@ -187,52 +162,14 @@ def follow(runners: dict[str, Any], on_call: Optional[Callable[[str, str], None]
             on_call(key, name)
 
 
-def run_follower(args: Any) -> int:
-    """Process i > 0: load and compile the decoders of `args` (EngineArgs), then follow process 0.
-
-    Encoders are served by process 0 alone, on its own devices, so followers skip them. A first
-    SIGTERM/SIGINT is only logged (the slice stops when process 0 does, after its drain); a
-    second one ends this process at once.
-    """
-    import signal
-
-    import jax
-
-    from jax_engine.engine import Engine
-    from jax_engine.models.registry import task_of
-    from weights_convert.hf import read_config
-
-    def on_signal(sig: int, _frame: Any) -> None:
-        log.warning("signal %d: process %d follows process 0 and stops when it does; send again to kill",
-                    sig, jax.process_index())
-        signal.signal(sig, signal.SIG_DFL)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    engine = Engine(args)
-    runners: dict[str, Any] = {}
-    for spec in args.models:
-        if (spec.task or task_of(read_config(spec.path))) != "generate":
-            log.info("%s is an encoder: process 0 serves it alone", spec.name)
-            continue
-        engine.load_model_sync(spec, progress=False)
-        runners.update(engine._workers[spec.name].local_runners)
-    log.info("process %d ready: following process 0 for %s", jax.process_index(), ", ".join(runners) or "nothing")
-    follow(runners)
-    finalize()
-    return 0
-
-
-def finalize() -> None:
+def finalize(chan: Optional[StepChannel]) -> None:
     """Process 0: tell the followers to leave. Every process: leave the job together."""
-    global _channel
-    if _channel is None:
+    if chan is None:
         return
-    import jax
+    import jax  # heavy: jax
 
-    if _channel.process_id == 0:
-        _channel.stop()
-    _channel = None
+    if chan.process_id == 0:
+        chan.stop()
     try:
         jax.distributed.shutdown()
     except Exception as e:  # pragma: no cover - the peers may already be gone

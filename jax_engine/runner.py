@@ -15,19 +15,25 @@ Device state (donated into every program, so it is updated in place):
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
-from jax_engine import backend, sampling
+from jax_engine import attention, backend, sampling
 from jax_engine.compilation import ProgramCache
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig, StepInputs
+from jax_engine.rows import DecodeRow, SamplingRow
 
 NUM_BIAS = 64     # static width of the sparse logit-bias arrays (a request may set up to this many)
 NUM_BAN = 16      # static width of the min_new_tokens ban list (EOS + stop token ids)
@@ -83,9 +89,40 @@ class RunnerConfig:
     page_bucket_ratio: int = 2
 
 
+class StepPublisher(Protocol):
+    """Where process 0 publishes its device calls in a multi-host slice (multihost.StepChannel)."""
+
+    lock: Any                        # held across publish + call, so calls keep one order
+
+    def publish(self, msg: tuple) -> None: ...
+
+
+MIRRORED: list[str] = []             # the device-touching ModelRunner methods, in definition order
+
+
+def mirrored(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A device call that process 0 of a multi-host slice publishes before making it, so every
+    follower makes the same call (multihost.follow replays it); a no-op with no mirror set."""
+    MIRRORED.append(fn.__name__)
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:                   # published calls are positional: replayed as fn(runner, *args)
+            args = sig.bind(self, *args, **kwargs).args[1:]
+        if self.mirror is None:
+            return fn(self, *args)
+        chan, key = self.mirror
+        with chan.lock:
+            chan.publish((key, fn.__name__, args))
+            return fn(self, *args)
+    return call
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: dict, rc: RunnerConfig, mesh: Optional[Mesh], dtype: Any):
         self.cfg, self.params, self.rc, self.mesh = cfg, params, rc, mesh
+        self.mirror: Optional[tuple[StepPublisher, str]] = None     # (channel, key) on process 0 of a slice
         self.dtype = dtype
         self.batch_buckets = pow2_buckets(1, rc.max_running)
         self.token_buckets = pow2_buckets(min(rc.min_token_bucket, rc.max_batched_tokens), rc.max_batched_tokens)
@@ -107,8 +144,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ state
     def _new_state(self) -> dict:
-        from jax_engine import attention
-
         c, rc = self.cfg, self.rc
         # the attention backend owns the KV layout; KV heads are sharded over mesh axis "model"
         be = attention.get(c.attention_backend)
@@ -128,6 +163,7 @@ class ModelRunner:
         """True when a failed program left the donated state deleted."""
         return any(x.is_deleted() for x in self.state.values())
 
+    @mirrored
     def reset_state(self) -> None:
         self.state = self._new_state()
 
@@ -205,10 +241,10 @@ class ModelRunner:
         return exe(*args)
 
     # ------------------------------------------------------------------ steps
-    def _decode_args(self, rows: list[dict], greedy: bool) -> tuple[str, tuple, tuple]:
+    def _decode_args(self, rows: list[DecodeRow], greedy: bool) -> tuple[str, tuple, tuple]:
         n = len(rows)
         B = pick(self.batch_buckets, n)
-        Pb = pick(self.page_buckets, max(len(r["pages"]) for r in rows))
+        Pb = pick(self.page_buckets, max(len(r.pages) for r in rows))
         tokens = np.zeros(B, np.int32)
         positions = np.zeros(B, np.int32)
         slots = np.zeros(B, np.int32)
@@ -216,16 +252,17 @@ class ModelRunner:
         kv_lens = np.zeros(B, np.int32)
         slot_ids = np.full(B, self.dummy_slot, np.int32)
         for i, r in enumerate(rows):
-            tokens[i], positions[i], slots[i] = r["token"], r["position"], r["kv_slot"]
-            table[i, :len(r["pages"])] = r["pages"]
-            kv_lens[i] = r["position"] + 1
-            slot_ids[i] = r["slot_id"]
-        sa = self._sa([r["sampling"] for r in rows], B)
+            tokens[i], positions[i], slots[i] = r.token, r.position, r.kv_slot
+            table[i, :len(r.pages)] = r.pages
+            kv_lens[i] = r.position + 1
+            slot_ids[i] = r.slot_id
+        sa = self._sa([r.sampling for r in rows], B)
         args = (self.params, self.state, *self._put(tokens, positions, slots, table, kv_lens, slot_ids), sa)
         return ("decode_greedy" if greedy else "decode_sample"), (B, Pb), args
 
-    def decode(self, rows: list[dict], greedy: bool) -> tuple[np.ndarray, ...]:
-        """rows: dicts with token, position, kv_slot, pages, slot_id and a sampling row."""
+    @mirrored
+    def decode(self, rows: list[DecodeRow], greedy: bool) -> tuple[np.ndarray, ...]:
+        """One token for each row (a running sequence)."""
         prog, key, args = self._decode_args(rows, greedy)
         out, self.state = self._run(prog, key, args)
         return tuple(_fetch(x)[:len(rows)] for x in out)
@@ -257,15 +294,17 @@ class ModelRunner:
         args = (self.params, self.state, *self._put(tok, pos, slots, table, kv_lens, last))
         return "prefill", (Bp, T, Pb), args
 
-    def _first_args(self, raw: np.ndarray, sample_rows: list[Optional[dict]], slot_ids: list[int]) -> tuple[str, tuple, tuple]:
+    def _first_args(self, raw: np.ndarray, sample_rows: list[Optional[SamplingRow]],
+                    slot_ids: list[int]) -> tuple[str, tuple, tuple]:
         R = pick(self.sample_buckets, len(sample_rows))
         sid = np.full(R, self.dummy_slot, np.int32)
         sid[:len(slot_ids)] = slot_ids
-        rows = list(sample_rows) + [None] * (R - len(sample_rows))
-        greedy = all(r is None or r["temperature"] <= 0 for r in rows)
+        rows: list[Optional[SamplingRow]] = [*sample_rows, *[None] * (R - len(sample_rows))]
+        greedy = all(r is None or r.temperature <= 0 for r in rows)
         args = (self.state, jax.device_put(raw, self._replicated), self._put(sid)[0], self._sa(rows, R))
         return ("first_greedy" if greedy else "first_sample"), (R,), args
 
+    @mirrored
     def prefill(self, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
         """Compute the KV of several sequences' chunks in one program.
 
@@ -277,12 +316,14 @@ class ModelRunner:
         (raw, h), self.state = self._run(prog, key, args)
         return _fetch(raw), lambda: _fetch(h)
 
-    def first_tokens(self, raw_row: np.ndarray, sample_rows: list[dict], slot_ids: list[int]) -> tuple[np.ndarray, ...]:
+    @mirrored
+    def first_tokens(self, raw_row: np.ndarray, sample_rows: list[SamplingRow], slot_ids: list[int]) -> tuple[np.ndarray, ...]:
         """Sample the first token of each of a prompt's n sequences from its last logits."""
         prog, key, args = self._first_args(raw_row, sample_rows, slot_ids)
         out, self.state = self._run(prog, key, args)
         return tuple(_fetch(x)[:len(sample_rows)] for x in out)
 
+    @mirrored
     def prompt_logprobs(self, h_row: np.ndarray, next_tokens: list[int], n: int) -> tuple[np.ndarray, ...]:
         """Per position t < n: logprob and top-N of next_tokens[t]."""
         return tuple(_fetch(x)[:n] for x in self._prompt_lp(h_row, next_tokens))
@@ -295,12 +336,14 @@ class ModelRunner:
     def _prompt_lp(self, h: jax.Array, next_tokens: list[int]):
         return self._run("prompt_logprobs", (h.shape[0],), self._prompt_lp_args(h, next_tokens))
 
+    @mirrored
     def copy_page(self, src: int, dst: int) -> None:
         self.state = self._run("copy_page", (), self._copy_args(src, dst))
 
     def _copy_args(self, src: int, dst: int) -> tuple:
         return (self.state, *self._put(np.int32(src), np.int32(dst)))
 
+    @mirrored
     def set_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         self.state = self._run("set_slot", (), self._slot_args(slot, prompt_ids, output_ids))
 
@@ -332,8 +375,7 @@ class ModelRunner:
         ps = self.rc.page_size
         if prog.startswith("decode"):
             B, Pb = key
-            rows = [{"token": 0, "position": 0, "kv_slot": 0, "pages": [0] * Pb, "slot_id": self.dummy_slot,
-                     "sampling": None}] * B
+            rows = [DecodeRow(token=0, position=0, kv_slot=0, pages=[0] * Pb, slot_id=self.dummy_slot)] * B
             got = self._decode_args(rows, prog == "decode_greedy")
         elif prog == "prefill":
             Bp, T, Pb = key
@@ -341,8 +383,7 @@ class ModelRunner:
             got = self._prefill_args([([0] * n, Pb * ps - n, [0] * Pb)] * Bp)
         elif prog.startswith("first"):
             raw = np.zeros((self.cfg.vocab_size,), np.float32)
-            row = {"temperature": 0.0 if prog == "first_greedy" else 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                   "rep_pen": 1.0, "freq_pen": 0.0, "pres_pen": 0.0, "seeds": 0, "steps": 0, "bias": [], "ban": []}
+            row = SamplingRow(temperature=0.0 if prog == "first_greedy" else 1.0)
             got = self._first_args(raw, [row] * key[0], [self.dummy_slot] * key[0])
         elif prog == "prompt_logprobs":
             h = np.zeros((key[0], self.cfg.hidden_size), self.dtype)
@@ -356,11 +397,6 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every program for every bucket, a few at a time (XLA releases the GIL)."""
-        import os
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
-        from tqdm import tqdm
-
         keys = self.all_keys()
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
             futs = [pool.submit(self.programs.compile, prog, key, self._example(prog, key)) for prog, key in keys]

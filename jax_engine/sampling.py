@@ -12,11 +12,15 @@ Rules where engines differ (chosen here, stated in the README):
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_engine.rows import SamplingRow
 
 NEG_INF = -1e30
 
@@ -227,8 +231,8 @@ def seed_key(seed: int) -> tuple[int, int]:
     return seed >> 32, seed & 0xFFFFFFFF
 
 
-def host_arrays(rows: list, R: int, num_bias: int, num_ban: int) -> dict[str, np.ndarray]:
-    """Numpy arrays for SamplingArrays from per-row dicts (padding rows are greedy no-ops)."""
+def host_arrays(rows: Sequence[Optional[SamplingRow]], R: int, num_bias: int, num_ban: int) -> dict[str, np.ndarray]:
+    """Numpy arrays for SamplingArrays from the step's rows (None: a padding row, a greedy no-op)."""
     out = {
         "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32),
         "top_p": np.ones(R, np.float32), "min_p": np.zeros(R, np.float32),
@@ -242,14 +246,14 @@ def host_arrays(rows: list, R: int, num_bias: int, num_ban: int) -> dict[str, np
         if r is None:
             continue
         for k in ("temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen", "steps"):
-            out[k][i] = r[k]
-        out["seeds"][i] = seed_key(r["seeds"])
-        b = r["bias"]
+            out[k][i] = getattr(r, k)
+        out["seeds"][i] = seed_key(r.seeds)
+        b = r.bias
         if b:
             ids, vals = zip(*b)
             out["bias_ids"][i, :len(ids)] = ids
             out["bias_vals"][i, :len(vals)] = vals
-        if r["ban"]:
-            out["ban_ids"][i, :len(r["ban"])] = r["ban"]
-            out["ban_on"][i, :len(r["ban"])] = True
+        if r.ban:
+            out["ban_ids"][i, :len(r.ban)] = r.ban
+            out["ban_on"][i, :len(r.ban)] = True
     return out

@@ -20,8 +20,9 @@ from typing import Optional
 import numpy as np
 
 from jax_engine.page_pool import PagePool, chain_hashes
+from jax_engine.rows import DecodeRow, SamplingRow
 from jax_engine.runner import ModelRunner
-from jax_engine.sequence import Request, Sequence, SeqState
+from jax_engine.sequence import Request, SeqState, Sequence
 from jax_engine.types import GenerateOutput, TokenLogprob
 
 log = logging.getLogger("xlaserve.scheduler")
@@ -292,9 +293,8 @@ class Scheduler:
         rows, seqs = [], []
         for seq in self.running:
             pos = seq.total_len - 1
-            rows.append({"token": seq.tokens[-1], "position": pos,
-                         "kv_slot": seq.pages[pos // ps] * ps + pos % ps, "pages": seq.pages,
-                         "slot_id": seq.slot, "sampling": self._sampling_row(seq)})
+            rows.append(DecodeRow(token=seq.tokens[-1], position=pos, kv_slot=seq.pages[pos // ps] * ps + pos % ps,
+                                  pages=seq.pages, slot_id=seq.slot, sampling=self._sampling_row(seq)))
             seqs.append(seq)
         if not rows:
             return
@@ -321,16 +321,16 @@ class Scheduler:
         self.waiting.append(seq)
 
     # ------------------------------------------------------------------ tokens and outputs
-    def _sampling_row(self, s: Sequence) -> dict:
+    def _sampling_row(self, s: Sequence) -> SamplingRow:
         p = s.req.params
         n_out = len(s.output_ids)
         ban = []
         if n_out < p.min_new_tokens:
             ban = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
-        return {"temperature": p.temperature, "top_k": p.top_k if p.top_k > 0 else 0, "top_p": p.top_p,
-                "min_p": p.min_p, "rep_pen": p.repetition_penalty, "freq_pen": p.frequency_penalty,
-                "pres_pen": p.presence_penalty, "seeds": s.seed, "steps": n_out,
-                "bias": list(p.logit_bias.items()), "ban": ban}
+        return SamplingRow(temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p,
+                           min_p=p.min_p, rep_pen=p.repetition_penalty, freq_pen=p.frequency_penalty,
+                           pres_pen=p.presence_penalty, seeds=s.seed, steps=n_out,
+                           bias=list(p.logit_bias.items()), ban=ban)
 
     def _on_token(self, seq: Sequence, tok: int, lp: float, top_v, top_i) -> None:
         req, p = seq.req, seq.req.params

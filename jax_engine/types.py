@@ -10,6 +10,9 @@ from typing import Optional, Union
 
 import numpy as np
 
+# Text prompts longer than this are tokenized on a worker thread, not on the event loop.
+TOKENIZE_INLINE_CHARS = 16384
+
 
 @dataclass
 class SamplingParams:

@@ -32,6 +32,7 @@ from jax_engine.attention.reference import Reference
 from jax_engine.errors import InvalidRequest
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig, StepInputs
+from jax_engine.rows import DecodeRow
 
 PS, NPAGES, KVH, G, D, L = 16, 12, 2, 2, 16, 2
 
@@ -255,8 +256,8 @@ def test_runner_programs_with_gpu_backend_match_reference():
         toks, pos = [int(np.argmax(raw[0]))] * 2, 24
         seqs = []
         for _ in range(3):
-            rows = [{"token": toks[i], "position": pos, "kv_slot": pg * PS + pos % PS, "pages": [5, pg],
-                     "slot_id": i, "sampling": None} for i, pg in enumerate((2, 7))]
+            rows = [DecodeRow(token=toks[i], position=pos, kv_slot=pg * PS + pos % PS, pages=[5, pg], slot_id=i)
+                    for i, pg in enumerate((2, 7))]
             out = r.decode(rows, greedy=True)
             toks = [int(t) for t in out[0]]
             seqs.append(toks)

@@ -161,9 +161,12 @@ def test_one_rpc_of_every_grpc_service(server):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    from frontends.grpc.gen.allspark import allspark_service_pb2 as as_pb, allspark_service_pb2_grpc as as_grpc
-    from frontends.grpc.gen.arctic_inference import inference_pb2 as ar_pb, inference_pb2_grpc as ar_grpc
-    from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as sg_pb, sglang_scheduler_pb2_grpc as sg_grpc
+    from frontends.grpc.gen.allspark import allspark_service_pb2 as as_pb
+    from frontends.grpc.gen.allspark import allspark_service_pb2_grpc as as_grpc
+    from frontends.grpc.gen.arctic_inference import inference_pb2 as ar_pb
+    from frontends.grpc.gen.arctic_inference import inference_pb2_grpc as ar_grpc
+    from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as sg_pb
+    from frontends.grpc.gen.sglang import sglang_scheduler_pb2_grpc as sg_grpc
 
     with grpc.insecure_channel(server.grpc) as ch:
         enc = ar_grpc.InferenceServiceStub(ch).Encode(
@@ -215,7 +218,8 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(server):
     once, new requests get 503, and all 8 streams finish normally before the process exits 0."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as sg_pb, sglang_scheduler_pb2_grpc as sg_grpc
+    from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as sg_pb
+    from frontends.grpc.gen.sglang import sglang_scheduler_pb2_grpc as sg_grpc
 
     streams = 8
     started = threading.Barrier(streams + 1, timeout=120)

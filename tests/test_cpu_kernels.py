@@ -171,15 +171,15 @@ def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
     from jax_engine.kernels import choose
 
     def timer(kernel_s):         # auto measures (choose.py): a deterministic fake timer stands in
-        return lambda case, m, runs: {"xla": 1e-3, "kernel": kernel_s}
+        return lambda case, m, runs: {"xla": 1e-3, "kernel": kernel_s, **({"blas": 5e-3} if "blas" in runs else {})}
 
     for i, (choice, dtype, want, kernel_s) in enumerate((
             ("auto", "float32", "kernel", 0.5e-3), ("xla", "float32", "xla", None), ("auto", "bfloat16", "kernel", 0.5e-3),
-            ("auto", "float32", "xla", 2e-3), ("kernel", "float32", "kernel", 2e-3))):
+            ("auto", "float32", "xla", 2e-3), ("kernel", "float32", "kernel", 2e-3), ("blas", "float32", "blas", None))):
         monkeypatch.setattr(choose, "default_timer", timer(kernel_s))
         monkeypatch.setattr(choose, "decision_dir", lambda i=i: str(tmp_path / f"decisions{i}"))
         with small_engine(demo_generator_path, dtype=dtype, cpu_matmul=choice) as engine:
-            worker = engine._worker("m")
+            worker = engine.worker("m")
             runner = worker.replicas[0].runner
             assert worker.cfg.matmul == want
             qkv = runner.params["layers"]["qkv"]

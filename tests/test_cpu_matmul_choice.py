@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,16 +29,22 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 class FakeTimer:
-    """Seconds per call from table(weight, m) -> (xla, kernel); counts the points it was asked for."""
+    """Seconds per call from table(weight, m) -> (xla, kernel) or (xla, kernel, blas); the library
+    sgemm, where it is timed (float32 prefill points), is 10x XLA unless the table says otherwise.
+    Counts the points it was asked for."""
 
     def __init__(self, table):
         self.table, self.calls = table, []
 
     def __call__(self, case, m, runs):
-        assert set(runs) == {"xla", "kernel"}
+        assert {"xla", "kernel"} <= set(runs) <= {"xla", "kernel", "blas"}
+        assert ("blas" in runs) == (case.blas and m > D), "the library sgemm is timed at float32 prefill rows only"
         self.calls.append((case.weight, m))
-        x, k = self.table(case.weight, m)
-        return {"xla": x, "kernel": k}
+        got = self.table(case.weight, m)
+        out = {"xla": got[0], "kernel": got[1]}
+        if "blas" in runs:
+            out["blas"] = got[2] if len(got) > 2 else 10 * got[0]
+        return out
 
 
 @pytest.fixture
@@ -133,13 +140,52 @@ def test_real_timer_measures_both_paths():
     # the default timer runs both compiled programs (no assertion on which is faster)
     case = next(c for c in _cases() if c.weight == "down")
     pt = C._Point(case, 2, D)
-    got = C.wall_timer(case, 2, {p: pt.runner(p) for p in C.PATHS})
+    got = C.wall_timer(case, 2, {p: pt.runner(p) for p in pt.paths})
     assert set(got) == {"xla", "kernel"} and all(v > 0 for v in got.values())
+    assert K.blas_available(), K.blas_reason()           # numpy's wheel ships an OpenBLAS
+    pre = C._Point(case, T, D)                            # a float32 prefill point: the library sgemm too
+    got = C.wall_timer(case, T, {p: pre.runner(p) for p in pre.paths})
+    assert set(got) == {"xla", "kernel", "blas"} and all(v > 0 for v in got.values())
+
+
+def test_the_library_sgemm_wins_only_by_a_margin(decisions):
+    def table(w, m):
+        if m <= D:
+            return (2e-3, 1e-3)                            # the kernel at decode rows
+        if w == "qkv":
+            return (3e-3, 4e-3, 1e-3)                      # sgemm 3x faster than XLA at prefill rows
+        if w == "o":
+            return (1.0e-3, 4e-3, 0.95e-3)                 # sgemm 5% faster: not enough (its own threads)
+        return (1e-3, 4e-3, 5e-3)                          # sgemm slower
+    plan = C.choose(_cases(), D, timer=FakeTimer(table))
+    routes = dict(plan.routes)
+    assert routes["qkv"] == ((D, "kernel"), (C.UNBOUNDED, "blas"))
+    assert routes["o"] == ((D, "kernel"), (C.UNBOUNDED, "xla"))
+    assert plan.layouts("qkv") == {"kernel", "xla"}        # the sgemm reads XLA's layout: no third copy
+    t = next(t for t in plan.timings if t.weight == "qkv" and t.m == T)
+    assert t.blas_s is not None and t.blas_s < t.xla_s
+    assert [c for c in _cases(dtype=jnp.bfloat16) if c.blas] == []          # float32 only
+    assert [c for c in _cases(quantize="int8") if c.blas] == []
+
+
+def test_the_library_sgemm_matches_einsum():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 4, 6, 40)).astype(np.float32)                # [L, K..., N]
+    x = rng.standard_normal((2, 5, 4, 6)).astype(np.float32)
+    y = jax.jit(lambda x, w, li: K.blas_linear(x, w, li, 2))(x, w, 2)
+    np.testing.assert_allclose(np.asarray(y), np.einsum("btkd,kdn->btn", x, w[2]), rtol=1e-5, atol=1e-5)
+    e = rng.standard_normal((50, 24)).astype(np.float32)                     # a tied head: [V, H], transposed
+    h = rng.standard_normal((3, 24)).astype(np.float32)
+    y = jax.jit(lambda h, e: K.blas_gemm(h, e[None], 0, trans_b=True))(h, e)
+    np.testing.assert_allclose(np.asarray(y), h @ e.T, rtol=1e-5, atol=1e-5)
 
 
 def _mixed_table(w, m):
-    """Every layout combination: qkv both (kernel at decode), o kernel only, gate_up XLA only,
-    down both (kernel at M <= 2), lm_head both (kernel at M <= 2)."""
+    """Every layout combination: qkv both (kernel at decode), o kernel only, gate_up XLA's layout
+    only (XLA at decode, the library sgemm at prefill), down both (kernel at M <= 2), lm_head both
+    (kernel at M <= 2)."""
+    if w == "gate_up" and m > D:
+        return (1e-3, 2e-3, 0.5e-3)
     kernel_wins = {"qkv": m <= D, "o": True, "gate_up": False, "down": m <= 2, "lm_head": m <= 2}[w]
     return (2e-3, 1e-3) if kernel_wins else (1e-3, 2e-3)
 
@@ -169,13 +215,14 @@ def test_mixed_plan_serves_the_reference_output(mixed_engine):
     from jax_engine.types import GenerateRequest, SamplingParams
 
     model, engine = mixed_engine
-    worker = engine._workers["m"]
+    worker = engine.worker("m")
     cfg, params = worker.cfg, worker.replicas[0].runner.params
     assert cfg.matmul == "mixed"
     layers = params["layers"]
     assert layers["qkv"].ndim == 5 and layers["qkv_panels"].shape[-1] == K.PANEL          # both layouts
     assert layers["o"].shape[-1] == K.PANEL and "o_panels" not in layers                  # panels only
     assert layers["gate_up"].ndim == 4 and "gate_up_panels" not in layers                 # XLA's only
+    assert cfg.matmul_plan.path("gate_up", T) == "blas" and cfg.matmul_plan.path("gate_up", D) == "xla"
     assert layers["down"].ndim == 3 and layers["down_panels"].shape[-1] == K.PANEL
     assert params["lm_head"].ndim == 2 and params["lm_head_panels"].shape[-1] == K.PANEL
 
@@ -204,7 +251,7 @@ def test_mixed_plan_serves_the_reference_output(mixed_engine):
 def test_both_paths_agree_on_the_same_weights(mixed_engine):
     # the same weights through the other route of each matrix: XLA-only and kernel-only configs
     _, engine = mixed_engine
-    worker = engine._workers["m"]
+    worker = engine.worker("m")
     runner = worker.replicas[0].runner
     x = np.random.default_rng(0).standard_normal((3, worker.cfg.hidden_size)).astype(np.float32)
     plan = worker.cfg.matmul_plan

@@ -18,13 +18,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np
 import pytest
 
+from jax_engine.checkpoint.hf import CheckpointError
 from jax_engine.compilation import global_compile_count
 from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.embed_worker import EmbedWorker, EncoderBuckets, plan_groups
 from jax_engine.errors import AlreadyExists, EngineError, InvalidRequest, NotFound, Overloaded, Unavailable
 from jax_engine.models import bert
 from jax_engine.types import EmbedOutput, EmbedRequest
-from weights_convert.hf import CheckpointError
 
 WORDS = ("the a quick brown fox jumps over lazy dog what is capital of france paris city river "
          "bank money water bridge long short night day sun moon").split()

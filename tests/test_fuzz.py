@@ -60,8 +60,7 @@ def test_openapi_schemathesis_no_5xx_and_conforming(http_app, serving_engine):
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
     from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                                   status_code_conformance)
+    from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance, status_code_conformance
 
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     schema = schemathesis.openapi.from_asgi("/openapi.json", http_app)

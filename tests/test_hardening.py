@@ -175,7 +175,7 @@ def fault(engine, program: str | None, times: int = 1, delay_s: float = 0.0):
     """Through the runner's fault_hook: the next `times` runs of `program` ("decode..." /
     "prefill...") raise, and every decode step first sleeps `delay_s` (keeps requests live long
     enough for a test to act on them, however fast the engine is)."""
-    runner = engine._workers[GEN].replicas[0].runner
+    runner = engine.worker(GEN).replicas[0].runner
     left = {"n": times if program else 0}
 
     def hook(name: str) -> None:
@@ -961,7 +961,7 @@ def test_row21_fault_in_one_step_fails_only_its_requests_on_every_front(http_url
 
 def test_row21_worker_gone_turns_unhealthy_and_refuses_new_requests(http_url, grpc_channel, asp, arc, serving_engine):
     """A dead scheduler (device lost): /health 503, gRPC health NOT_SERVING, new requests UNAVAILABLE."""
-    sched = serving_engine._workers[GEN].replicas[0]
+    sched = serving_engine.worker(GEN).replicas[0]
     health = health_pb2_grpc.HealthStub(grpc_channel)
     sgl = spb_grpc.SglangSchedulerStub(grpc_channel)
     sched.failed = "RuntimeError('device lost (simulated)')"

@@ -121,7 +121,7 @@ def test_metrics_names_present_and_values_move(client):
     routes = re.findall(rf'^xlaserve_cpu_matmul_path{{model="{GEN}",path="(\w+)",shape_class="([^"]+)",weight="(\w+)"}} 1\.0$',
                         after, re.M)
     assert {w for _, _, w in routes} == {"qkv", "o", "gate_up", "down", "lm_head"}, routes
-    assert {p for p, _, _ in routes} <= {"kernel", "xla"}
+    assert {p for p, _, _ in routes} <= {"kernel", "xla", "blas"}
     # probes and scrapes are not counted as requests
     assert metric(after, "xlaserve_requests_total", method="/metrics") == 0
 

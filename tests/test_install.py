@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+
 import tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,6 +19,7 @@ import pytest
 
 from jax_engine.config import ModelSpec
 from jax_engine.engine import Engine
+from jax_engine.runner import MIRRORED, mirrored
 from tests import hf_models
 from tests.conftest import wait_for
 from tests.test_cli_e2e import xlaserve
@@ -86,7 +87,8 @@ def test_two_processes_form_one_tp2_mesh_and_match_one_process(model_path, tmp_p
         assert "devices cpu:0,cpu:2048" in lead.find("model m: "), lead.log()
         addr = lead.find("gRPC listening on").split("gRPC listening on ")[1].split(",")[0].split(" ")[0]
 
-        from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as pb, sglang_scheduler_pb2_grpc as pbg
+        from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as pb
+        from frontends.grpc.gen.sglang import sglang_scheduler_pb2_grpc as pbg
 
         def generate(i: int, prompt: list[int]) -> list[int]:
             sp = pb.SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -132,14 +134,18 @@ class _FakeChannel:
 
 
 class _Runner:
+    """Two device calls marked like ModelRunner's, and one host-side method."""
+
     def __init__(self):
         self.calls: list[tuple] = []
-        self.rc = "rc"
+        self.mirror = None
 
+    @mirrored
     def decode(self, rows, greedy):
         self.calls.append(("decode", rows, greedy))
         return "tokens"
 
+    @mirrored
     def set_slot(self, slot, prompt_ids, output_ids):
         self.calls.append(("set_slot", slot, prompt_ids, output_ids))
 
@@ -147,22 +153,27 @@ class _Runner:
         return False
 
 
-def test_leader_publishes_each_device_call_and_follower_replays_it(monkeypatch):
+def test_leader_publishes_each_device_call_and_follower_replays_it():
     from jax_engine import multihost
 
     chan = _FakeChannel()
     leader_side, follower_side = _Runner(), _Runner()
-    proxy = multihost.LeaderRunner(leader_side, "m/0", chan)
-    assert proxy.decode([{"t": 1}], True) == "tokens"
-    proxy.set_slot(3, [1, 2], [])
-    assert proxy.rc == "rc" and proxy.state_lost() is False     # host-side: not published
-    proxy.fault_hook = "hook"                                   # attributes land on the real runner
-    assert leader_side.fault_hook == "hook"
+    leader_side.mirror = (chan, "m/0")                          # as GenerateWorker does on process 0
+    assert leader_side.decode([{"t": 1}], True) == "tokens"
+    leader_side.set_slot(3, [1, 2], [])
+    assert leader_side.state_lost() is False                    # host-side: not published
     assert [m[:2] for m in chan.log] == [("m/0", "decode"), ("m/0", "set_slot")]
     chan.log.append(("__stop__",))
-    monkeypatch.setattr(multihost, "_channel", chan)
-    assert multihost.follow({"m/0": follower_side}) == 2
+    assert multihost.follow({"m/0": follower_side}, chan) == 2
     assert follower_side.calls == leader_side.calls
+
+
+def test_every_device_call_of_the_runner_is_mirrored():
+    from jax_engine.runner import ModelRunner
+
+    assert set(MIRRORED) == {"decode", "prefill", "first_tokens", "prompt_logprobs", "copy_page", "set_slot",
+                             "reset_state"}
+    assert all(hasattr(getattr(ModelRunner, m), "__wrapped__") for m in MIRRORED)
 
 
 def test_published_calls_round_trip_exactly_and_are_not_pickle():
@@ -185,7 +196,22 @@ def test_published_calls_round_trip_exactly_and_are_not_pickle():
         multihost.encode(("m/0", "decode", (object(),)))
 
 
-def test_a_failed_replay_is_contained_like_the_leaders_step(monkeypatch):
+def test_typed_runner_rows_round_trip_as_their_types():
+    import numpy as np
+
+    from jax_engine import multihost
+    from jax_engine.rows import DecodeRow, SamplingRow
+
+    row = DecodeRow(token=np.int32(7), position=3, kv_slot=11, pages=[np.int64(1), 2], slot_id=0,
+                    sampling=SamplingRow(temperature=0.5, bias=[(3, -1.5)], seeds=2 ** 64 - 1, ban=[2]))
+    key, name, (rows2, greedy) = multihost.decode(multihost.encode(("m/0", "decode", ([row], False))))
+    got = rows2[0]
+    assert isinstance(got, DecodeRow) and isinstance(got.sampling, SamplingRow) and greedy is False
+    assert (got.token, got.position, got.kv_slot, got.pages, got.slot_id) == (7, 3, 11, [1, 2], 0)
+    assert got.sampling.bias == [[3, -1.5]] and got.sampling.seeds == 2 ** 64 - 1 and got.sampling.ban == [2]
+
+
+def test_a_failed_replay_is_contained_like_the_leaders_step():
     from jax_engine import multihost
 
     class Failing(_Runner):
@@ -194,25 +220,22 @@ def test_a_failed_replay_is_contained_like_the_leaders_step(monkeypatch):
 
     chan = _FakeChannel()
     chan.log += [("m/0", "decode", ([], True)), ("m/0", "set_slot", (1, [2], [])), ("__stop__",)]
-    monkeypatch.setattr(multihost, "_channel", chan)
     follower = Failing()
-    assert multihost.follow({"m/0": follower}) == 2
+    assert multihost.follow({"m/0": follower}, chan) == 2
     assert follower.calls == [("set_slot", 1, [2], [])]
 
 
-def test_follower_refuses_a_call_for_a_model_it_does_not_have(monkeypatch):
+def test_follower_refuses_a_call_for_a_model_it_does_not_have():
     from jax_engine import multihost
 
     chan = _FakeChannel()
     chan.log.append(("other/0", "decode", ([], True)))
-    monkeypatch.setattr(multihost, "_channel", chan)
     with pytest.raises(RuntimeError, match="same model flags"):
-        multihost.follow({"m/0": _Runner()})
+        multihost.follow({"m/0": _Runner()}, chan)
 
 
-def test_flags_are_checked_and_runtime_loading_is_refused(monkeypatch, tmp_path):
+def test_flags_are_checked_and_runtime_loading_is_refused(tmp_path):
     from frontends.cli import parse_serve_args
-    from jax_engine import multihost
     from jax_engine.errors import Unimplemented
 
     folder = tmp_path / "m"
@@ -224,11 +247,10 @@ def test_flags_are_checked_and_runtime_loading_is_refused(monkeypatch, tmp_path)
                            "--process-id", "1"])
     assert (ns.num_processes, ns.process_id, ns.coordinator_address) == (2, 1, "h:1")
 
-    monkeypatch.setattr(multihost, "_channel", _FakeChannel())
-    eng = Engine(small_args(model_root=str(tmp_path)))
+    eng = Engine(small_args(model_root=str(tmp_path)), channel=_FakeChannel())
     with pytest.raises(Unimplemented, match="more than one process") as err:
         asyncio.run(eng.load_model(ModelSpec(name="x", path=str(folder))))
-    from frontends.errors import AS_STATUS_BY_KIND, grpc_code, http_status
+    from frontends.common.errors import AS_STATUS_BY_KIND, grpc_code, http_status
 
     assert (grpc_code(err.value), http_status(err.value)) == (grpc.StatusCode.UNIMPLEMENTED, 501)
     assert AS_STATUS_BY_KIND[err.value.kind] == 8

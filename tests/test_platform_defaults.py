@@ -80,3 +80,25 @@ def test_generate_worker_weights_and_kv_cache(monkeypatch, demo_path, plat, want
                                               * worker.cfg.head_dim * jnp.dtype(want).itemsize)
     finally:
         engine.shutdown(timeout=2.0)
+
+
+# ------------------------------------------------------------------ config resolution
+def test_a_spec_pins_what_it_sets_and_inherits_the_rest(demo_path):
+    from jax_engine.config import EngineArgs, ModelSpec, resolve
+
+    args = EngineArgs(tp=2, replicas=2, quantize="int8", dtype="float32", page_size=8, max_model_len=64)
+    pinned = resolve(ModelSpec(name="m", path=demo_path, tp=1, replicas=1, quantize="none", dtype="bfloat16",
+                               page_size=16, enable_prefix_cache=False), args)
+    assert (pinned.tp, pinned.replicas, pinned.quantize, pinned.dtype) == (1, 1, "none", "bfloat16")
+    assert (pinned.page_size, pinned.enable_prefix_cache, pinned.max_model_len) == (16, False, 64)
+    inherited = resolve(ModelSpec(name="m", path=demo_path), args)
+    assert (inherited.tp, inherited.replicas, inherited.quantize, inherited.dtype) == (2, 2, "int8", "float32")
+    assert (inherited.task, inherited.page_size, inherited.enable_prefix_cache) == ("generate", 8, True)
+
+
+def test_random_weights_is_decided_once_from_the_spec_or_the_demo_marker(demo_path, tmp_path):
+    from jax_engine.config import EngineArgs, ModelSpec, is_random_weights, resolve
+
+    assert resolve(ModelSpec(name="m", path=demo_path), EngineArgs()).random_weights is True
+    assert is_random_weights(ModelSpec(name="m", path=str(tmp_path), random_weights=True))
+    assert not is_random_weights(ModelSpec(name="m", path=str(tmp_path)))

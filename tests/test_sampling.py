@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jax_engine import sampling as S
+from jax_engine.rows import SamplingRow
 
 BASE = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep_pen=1.0, freq_pen=0.0, pres_pen=0.0,
             seeds=0, steps=0, bias=[], ban=[])
@@ -19,7 +20,7 @@ _sample = jax.jit(S.sample)
 
 
 def arrays(rows: list[dict]) -> S.SamplingArrays:
-    host = S.host_arrays([{**BASE, **r} for r in rows], len(rows), 4, 4)
+    host = S.host_arrays([SamplingRow(**{**BASE, **r}) for r in rows], len(rows), 4, 4)
     return S.SamplingArrays(**{k: jnp.asarray(v) for k, v in host.items()})
 
 

@@ -11,6 +11,7 @@ from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.demo_model import build_demo_generator, llama_config
 from jax_engine.engine import Engine
 from jax_engine.errors import InvalidRequest, Overloaded
+from jax_engine.rows import SamplingRow
 from jax_engine.types import EmbedRequest, GenerateRequest, SamplingParams
 
 PS = 8
@@ -137,10 +138,9 @@ def test_logit_bias_forces_token(engine):
 
 
 def test_penalties_match_transformers_processors():
+    import jax.numpy as jnp
     import torch
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-
-    import jax.numpy as jnp
 
     from jax_engine import sampling
 
@@ -155,8 +155,7 @@ def test_penalties_match_transformers_processors():
         pm[i, prompt[i]] = True
         for t in output[i]:
             counts[i, t] += 1
-    rows = [{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "rep_pen": 1.3, "freq_pen": 0.5,
-             "pres_pen": 0.25, "seeds": 0, "steps": 0, "bias": [], "ban": []}] * R
+    rows = [SamplingRow(temperature=1.0, rep_pen=1.3, freq_pen=0.5, pres_pen=0.25)] * R
     sa = sampling.SamplingArrays(**{k: jnp.asarray(v) for k, v in sampling.host_arrays(rows, R, 4, 4).items()})
     ours = np.asarray(sampling.process_logits(jnp.asarray(logits), sa, jnp.asarray(counts), jnp.asarray(pm)))
     for i in range(R):

@@ -17,7 +17,8 @@ from jax_engine.errors import InvalidRequest, NotFound
 from jax_engine.generate_worker import GenerateWorker
 from tests import hf_models
 from tests.test_decoder import PROMPTS, engine_logits, greedy_all, small_args
-from weights_convert.convert import convert, main as convert_main
+from weights_convert.convert import convert
+from weights_convert.convert import main as convert_main
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_no_compilation_after_warmup_for_every_bucket(src):
     path, _ = src
     eng = Engine(small_args(models=[ModelSpec(name="m", path=path)]))
     eng.load_all(progress=False)
-    runner = eng._workers["m"].replicas[0].runner
+    runner = eng.decoder_runners()["m/0"]
     n_programs = len(runner.programs)
     before = global_compile_count()
     # run every compiled shape once with real arguments built by the serving path

@@ -21,7 +21,7 @@ def main() -> None:
     for tp, replicas in [(1, 1), (2, 1), (4, 1), (2, 2)]:
         eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp, replicas=replicas)]))
         eng.load_all(progress=False, warmup=False)
-        w = eng._workers["m"]
+        w = eng.worker("m")
         logits = engine_logits(w, PROMPTS[0])
         toks = asyncio.run(greedy_all(eng, PROMPTS * 2, 16))
         per_replica = [s.total_generated_tokens for s in w.replicas]

@@ -1,6 +1,6 @@
 """`allspark.allspark_service.AllSpark`: DashInfer's model life cycle and polled generation.
 
-Contract: shared/spec/service_semantics.md §3. Every failure is reported in `as_status` with
+Contract: protos/ (allspark) and tests/test_grpc_allspark.py. Every failure is reported in `as_status` with
 gRPC status OK (the real client turns any non-OK status into UNKNOWN_ERROR). Requests are
 keyed by the client's `config.uuid`; a background task per request moves engine events into
 a per-request token queue that Get / GetNoWait drain. Everything is an asyncio await, so a
@@ -14,29 +14,25 @@ import json
 import logging
 import math
 import os
-import re
-import subprocess
 import uuid as uuidlib
 from dataclasses import dataclass, field
-from importlib import metadata
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, AsyncGenerator, Awaitable, Callable, Optional
 
 import numpy as np
 
-from frontends.errors import as_status
+from frontends.common.access import ALLSPARK_ADMIN_METHODS, ALLSPARK_SERVICE
+from frontends.common.errors import as_status
+from frontends.common.version import GIT_SHA, version_string
 from frontends.grpc.gen.allspark import allspark_service_pb2 as pb
 from frontends.grpc.gen.allspark import allspark_service_pb2_grpc as pb_grpc
-from jax_engine.config import ModelSpec
+from jax_engine.api import EngineAPI, ModelSpec, device_memory
 from jax_engine.errors import EngineError, InvalidRequest, NotFound
-from jax_engine.types import GenerateRequest, ModelInfo, SamplingParams
+from jax_engine.types import GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
 
-SERVICE = "allspark.allspark_service.AllSpark"
+SERVICE = ALLSPARK_SERVICE
 log = logging.getLogger("xlaserve.allspark")
-# Lifecycle and file-reading RPCs: refused unless admin is enabled (frontends/grpc/server.py).
-ADMIN_METHODS = frozenset({
-    "BuildModelFromConfigStruct", "ReloadModelToDeviceMemory", "UnloadModelFromDeviceMemory",
-    "StartModel", "StopModel", "ReleaseModel", "ShutdownService", "GetFileInformation",
-})
+# Lifecycle and file-reading RPCs: refused unless admin is enabled (frontends/common/access.py).
+ADMIN_METHODS = ALLSPARK_ADMIN_METHODS
 MATMUL_PRECISIONS = ("", "highest", "high", "medium")
 SUCCESS = pb.ALLSPARK_SUCCESS
 PARAM_ERROR = pb.ALLSPARK_PARAM_ERROR
@@ -45,31 +41,6 @@ INVALID_CALL = pb.ALLSPARK_INVALID_CALL_ERROR
 ILLEGAL_ID = pb.ALLSPARK_ILLEGAL_REQUEST_ID
 DENIED = pb.ALLSPARK_REQUEST_DENIED
 STOP_WAIT_S = 30.0
-
-
-# ---------------------------------------------------------------------- version
-def version_string() -> str:
-    """MAJOR.MINOR.PATCH of the installed xlaserve."""
-    try:
-        v = metadata.version("xlaserve")
-    except metadata.PackageNotFoundError:
-        v = "0.0.0"
-    m = re.match(r"\d+\.\d+\.\d+", v)
-    return m.group(0) if m else "0.0.0"
-
-
-def _git_sha() -> str:
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                             text=True, timeout=2)
-        sha = out.stdout.strip()
-        return sha if out.returncode == 0 and sha else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-GIT_SHA = _git_sha()
 
 
 # ---------------------------------------------------------------------- request state
@@ -118,7 +89,7 @@ class _Request:
 
 # ---------------------------------------------------------------------- servicer
 class AllSparkServicer(pb_grpc.AllSparkServicer):
-    def __init__(self, engine: Any, on_shutdown: Optional[Callable[[], Optional[Awaitable[None]]]] = None):
+    def __init__(self, engine: EngineAPI, on_shutdown: Optional[Callable[[], Optional[Awaitable[None]]]] = None):
         self.engine = engine
         self.on_shutdown = on_shutdown
         self.requests: dict[str, _Request] = {}
@@ -199,7 +170,7 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
             return pb.AsEngineStat(model_name=request.model_name)
         hits, misses = s.prefix_cache_hit_tokens, s.prefix_cache_miss_tokens
         looked_up = hits + misses
-        total_mem, used_mem = _device_memory()
+        total_mem, used_mem = device_memory()
         return pb.AsEngineStat(
             model_name=request.model_name or s.name,
             total_span=s.pages_total, used_span=s.pages_used, free_span=s.pages_free,
@@ -325,7 +296,7 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
             raise _Refused(DENIED, f"model {info.name!r} is not running (state {info.state})")
         return info
 
-    async def _consume(self, st: _Request, outputs: Any, refused: list[BaseException]) -> None:
+    async def _consume(self, st: _Request, outputs: AsyncGenerator[GenerateOutput, None], refused: list[BaseException]) -> None:
         """Move engine events into the request's queue until it ends."""
         started = False
         try:
@@ -556,17 +527,6 @@ def _config_version(path: str, root: Optional[str]) -> str:
             return str(json.load(f).get("transformers_version", ""))
     except Exception:
         return ""
-
-
-def _device_memory() -> tuple[int, int]:
-    """(limit, in use) bytes of the first accelerator; (0, 0) where JAX reports none (CPU)."""
-    try:
-        import jax
-
-        stats = jax.local_devices()[0].memory_stats() or {}
-        return int(stats.get("bytes_limit", 0)), int(stats.get("bytes_in_use", 0))
-    except Exception:
-        return 0, 0
 
 
 async def _maybe_await(fn: Callable[[], Any]) -> None:

@@ -1,6 +1,6 @@
 """`arctic_inference.InferenceService`: embeddings as the Arctic replica serves them.
 
-Contract: shared/spec/service_semantics.md §1. Every validation or engine failure of Encode is
+Contract: protos/ (arctic_inference) and tests/test_grpc_arctic.py. Every validation or engine failure of Encode is
 reported in `EncodeResponse.error` with gRPC status OK, because that field is the only error
 channel the shipped client reads.
 """
@@ -11,9 +11,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from frontends.errors import error_message
+from frontends.common.errors import error_message
 from frontends.grpc.gen.arctic_inference import inference_pb2 as pb
 from frontends.grpc.gen.arctic_inference import inference_pb2_grpc as pb_grpc
+from jax_engine.api import EngineAPI
 from jax_engine.errors import EngineError, InvalidRequest
 from jax_engine.types import EmbedRequest, ModelInfo
 
@@ -23,7 +24,7 @@ SERVICE = "arctic_inference.InferenceService"
 class ArcticServicer(pb_grpc.InferenceServiceServicer):
     """Serves the engine's embedding models ("embed" task) over the Arctic protocol."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineAPI):
         self.engine = engine
 
     # ------------------------------------------------------------------ Encode
@@ -136,7 +137,7 @@ def _decode_ids(i: int, data: bytes, vocab_size: int) -> list[int]:
     return ids.astype(np.int64).tolist()
 
 
-def _why_not_ready(engine: Any) -> str:
+def _why_not_ready(engine: EngineAPI) -> str:
     if engine.draining:
         return "server is draining"
     if not engine.healthy():

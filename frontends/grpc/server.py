@@ -4,16 +4,14 @@
     await server.start(); ...; await mark_not_serving(server); await server.stop(grace)
 
 Servicers are plain objects (`make_servicers`) so the HTTP JSON mirror calls the very same
-methods. Access control (API key, admin gating) lives in `AccessPolicy`, shared by the gRPC
-interceptor here and the mirror.
+methods. Access control (API key, admin gating) is `frontends.common.access.AccessPolicy`,
+applied by the interceptor here and by the mirror.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import weakref
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 import grpc
@@ -21,27 +19,27 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as _AioHealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from frontends.errors import grpc_code
+from frontends.common.access import HEALTH_SERVICE, AccessPolicy
+from frontends.common.errors import grpc_code
 from frontends.grpc import allspark, arctic, sglang
 from frontends.grpc.gen.allspark import allspark_service_pb2, allspark_service_pb2_grpc
 from frontends.grpc.gen.arctic_inference import inference_pb2, inference_pb2_grpc
 from frontends.grpc.gen.sglang import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
-from jax_engine.errors import EngineError, PermissionDenied, Unauthenticated
+from jax_engine.api import EngineAPI
+from jax_engine.errors import EngineError
 
-HEALTH_SERVICE = "grpc.health.v1.Health"
 # full service name -> (pb2 module, add_*_to_server)
 SERVICES: dict[str, tuple[Any, Callable[[Any, Any], None]]] = {
     arctic.SERVICE: (inference_pb2, inference_pb2_grpc.add_InferenceServiceServicer_to_server),
     sglang.SERVICE: (sglang_scheduler_pb2, sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server),
     allspark.SERVICE: (allspark_service_pb2, allspark_service_pb2_grpc.add_AllSparkServicer_to_server),
 }
-ADMIN_METHODS = frozenset(f"/{allspark.SERVICE}/{m}" for m in allspark.ADMIN_METHODS)
 
 
 ShutdownHook = Callable[[], Optional[Awaitable[None]]]
 
 
-def make_servicers(engine: Any, *, on_shutdown: Optional[ShutdownHook] = None) -> dict[str, Any]:
+def make_servicers(engine: EngineAPI, *, on_shutdown: Optional[ShutdownHook] = None) -> dict[str, Any]:
     """Full service name -> servicer, independent of any transport.
 
     `on_shutdown` runs (shortly after answering) when AllSpark ShutdownService is called.
@@ -54,46 +52,6 @@ def make_servicers(engine: Any, *, on_shutdown: Optional[ShutdownHook] = None) -
 
 
 # ---------------------------------------------------------------------- access control
-@dataclass(frozen=True)
-class AccessPolicy:
-    """Who may call what. With `api_key` every call needs `Bearer KEY`; admin methods are
-    refused unless `enable_admin`, and with `admin_api_key` need that key. Health is open."""
-
-    api_key: Optional[str] = None
-    admin_api_key: Optional[str] = None
-    enable_admin: bool = False
-
-    def check(self, method: str, authorization: Optional[str]) -> Optional[EngineError]:
-        """`method` is "/package.Service/Method"; returns the refusal, or None to allow."""
-        if method.startswith(f"/{HEALTH_SERVICE}/"):
-            return None
-        token = _bearer(authorization)
-        is_admin_key = self.admin_api_key is not None and _same(token, self.admin_api_key)
-        if method in ADMIN_METHODS:
-            if not self.enable_admin:
-                return PermissionDenied(f"{method} is an admin operation; start the server with --enable-admin")
-            if self.admin_api_key is not None:
-                if is_admin_key:
-                    return None
-                if self.api_key is not None and _same(token, self.api_key):
-                    return PermissionDenied(f"{method} needs the admin API key")
-                return Unauthenticated(f"{method} needs 'authorization: Bearer <admin key>'")
-        if self.api_key is not None and not (_same(token, self.api_key) or is_admin_key):
-            return Unauthenticated("missing or invalid API key ('authorization: Bearer <key>')")
-        return None
-
-
-def _bearer(value: Optional[str]) -> Optional[str]:
-    if not value:
-        return None
-    scheme, _, token = value.strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def _same(token: Optional[str], key: str) -> bool:
-    return token is not None and hmac.compare_digest(token.encode(), key.encode())
-
-
 class _AuthInterceptor(grpc.aio.ServerInterceptor):
     """Applies AccessPolicy before any servicer code runs, and answers INVALID_ARGUMENT (not
     gRPC's default UNKNOWN) for request bytes that do not parse as the method's message."""
@@ -189,7 +147,7 @@ class EngineHealthServicer(_AioHealthServicer):
     """grpc.health.v1: SERVING while the engine is ready, NOT_SERVING before, when a worker
     dies, and for good once `mark_not_serving` is called (drain)."""
 
-    def __init__(self, engine: Any, services: list[str]):
+    def __init__(self, engine: EngineAPI, services: list[str]):
         super().__init__()
         self.engine = engine
         self.services = ["", *services]
@@ -226,7 +184,7 @@ async def mark_not_serving(server: Any) -> None:
 
 
 # ---------------------------------------------------------------------- the server
-# HTTP/2 abuse bounds (reliability_security.md §6 row 22: rapid reset, stream and ping floods).
+# HTTP/2 abuse bounds (rapid reset, stream and ping floods; tests/test_hardening.py row 22).
 DEFAULT_MAX_CONCURRENT_STREAMS = 256     # per connection; more streams wait for a free one
 KEEPALIVE_TIME_MS = 60_000               # the server pings idle transports to find dead clients...
 KEEPALIVE_TIMEOUT_MS = 20_000            # ...and drops the connection (cancelling its calls) if no ack
@@ -264,7 +222,7 @@ def server_options(max_message_bytes: int,
 
 
 def build_grpc_server(
-    engine: Any,
+    engine: EngineAPI,
     *,
     host: str = "127.0.0.1",
     port: int = 50051,

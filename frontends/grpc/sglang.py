@@ -1,6 +1,6 @@
 """`sglang.grpc.scheduler.SglangScheduler` (seed revision): what the SGLang router talks to.
 
-Contract: shared/spec/service_semantics.md §2. Errors travel as gRPC status codes, never as
+Contract: protos/ (sglang) and tests/test_grpc_sglang.py. Errors travel as gRPC status codes, never as
 `GenerateError` (both seed-era and newer routers understand a status). Zero values of an
 explicit `sampling_params` are read the way SGLang reads them; an absent message means the
 engine's semantic defaults. Request fields we cannot honour are refused by name, never dropped.
@@ -17,10 +17,11 @@ from typing import Any, AsyncIterator, Optional
 
 from google.protobuf import timestamp_pb2
 
-from frontends.errors import abort_with, engine_error
-from frontends.grpc.allspark import version_string
+from frontends.common.errors import abort_with, engine_error
+from frontends.common.version import version_string
 from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as pb
 from frontends.grpc.gen.sglang import sglang_scheduler_pb2_grpc as pb_grpc
+from jax_engine.api import EngineAPI
 from jax_engine.errors import EngineError, InvalidRequest, NotFound
 from jax_engine.types import EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams, TokenLogprob
 
@@ -30,7 +31,7 @@ _BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
 class SglangServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineAPI):
         self.engine = engine
         self.active_requests = 0
         self.last_receive_timestamp = 0.0
@@ -330,7 +331,7 @@ def _has_content(msg: Any, field: str) -> bool:
     return msg.HasField(field) and bool(getattr(msg, field).ListFields())
 
 
-def _first_model(engine: Any, task: str) -> Optional[str]:
+def _first_model(engine: EngineAPI, task: str) -> Optional[str]:
     return next((m.name for m in engine.models() if m.task == task), None)
 
 

@@ -8,29 +8,32 @@ Cross-cutting concerns are plain ASGI middleware, outermost first:
 request metrics -> bearer auth (sees the raw path, so `//v1/...` or `%2F` tricks are checked
 like any other path; only the literal `/health` is exempt) -> body-size limit (413, also for
 chunked bodies) -> FastAPI. Errors of every kind end in one of two JSON shapes: the OpenAI
-envelope under `/v1`, `frontends.errors.error_body` elsewhere; the status always comes from
-`frontends.errors`.
+envelope under `/v1`, `frontends.common.errors.error_body` elsewhere; the status always comes
+from `frontends.common.errors`. Metrics (`ServerMetrics`) and the access policy of the mirror are
+shared with the gRPC front through `frontends.common`.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-import inspect
 import logging
 import math
-import time
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from frontends.errors import HTTP_BY_GRPC, code_name, error_body, error_message, http_status, retry_after_s
-from frontends.http.openai import field_error, openai_error_body, router as openai_router
+from frontends.common.access import AccessPolicy
+from frontends.common.errors import HTTP_BY_GRPC, code_name, error_body, error_message, http_status, retry_after_s
+from frontends.common.metrics import ServerMetrics
+from frontends.common.version import package_version
+from frontends.http.mirror import add_mirror_routes
+from frontends.http.openai import field_error, openai_error_body
+from frontends.http.openai import router as openai_router
+from jax_engine.api import EngineAPI
 from jax_engine.errors import EngineError, Unauthenticated
 
 log = logging.getLogger("xlaserve.http")
@@ -44,184 +47,6 @@ DEFAULT_HTTP_READ_TIMEOUT_S = 60.0
 _UNCOUNTED_PATHS = ("/health", "/ready", "/metrics")
 
 
-# ----------------------------------------------------------------------------- metrics
-
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-class ServerMetrics:
-    """Prometheus metrics of one app, in their own registry (several apps may share a process).
-
-    Request counts and latency histograms are observed by the fronts; engine gauges and token
-    counters are read from `engine.stats()` at scrape time, so they cover every front.
-    """
-
-    def __init__(self, engine) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("xlaserve_requests", "Requests by front, method and outcome",
-                                ["front", "method", "outcome"], registry=self.registry)
-        self.ttft = Histogram("xlaserve_time_to_first_token_seconds", "Time from request to first token",
-                              ["model"], buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("xlaserve_inter_token_latency_seconds", "Time between tokens of one sequence",
-                             ["model"], buckets=_ITL_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(engine))
-
-    def observe_request(self, front: str, method: str, outcome: str) -> None:
-        self.requests.labels(front, method, outcome).inc()
-
-    def observe_ttft(self, model: str, seconds: float) -> None:
-        self.ttft.labels(model).observe(seconds)
-
-    def observe_itl(self, model: str, seconds: float) -> None:
-        self.itl.labels(model).observe(seconds)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def instrument(self, engine) -> "InstrumentedEngine":
-        """`engine` with token latencies observed here; give it to every front."""
-        if isinstance(engine, InstrumentedEngine):
-            return engine
-        return InstrumentedEngine(engine, self)
-
-    def count_grpc(self, servicers: dict[str, Any]) -> dict[str, Any]:
-        """Servicers whose calls are counted as front="grpc" (for the gRPC server, not the mirror)."""
-        return {name: _CountedServicer(s, name, self) for name, s in servicers.items()}
-
-
-class InstrumentedEngine:
-    """The engine's own interface, with time-to-first-token and inter-token latency observed
-    on every generate stream, whichever front opened it. Everything else is delegated."""
-
-    def __init__(self, engine, metrics: ServerMetrics) -> None:
-        self._engine = engine
-        self._metrics = metrics
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    async def generate(self, req):
-        model = req.model or self._engine.default_model("generate") or "unknown"
-        t0 = time.monotonic()
-        last: dict[int, float] = {}
-        stream = self._engine.generate(req)
-        try:
-            async for ev in stream:
-                if ev.new_token_ids:
-                    now = time.monotonic()
-                    prev = last.get(ev.index)
-                    if prev is None:
-                        self._metrics.observe_ttft(model, now - t0)
-                    else:
-                        self._metrics.observe_itl(model, (now - prev) / len(ev.new_token_ids))
-                    last[ev.index] = now
-                yield ev
-        finally:
-            await stream.aclose()  # closing early aborts the request, as with the bare engine
-
-
-class _CountedServicer:
-    """Delegates to a servicer; each RPC (CamelCase attribute) is counted by its final status."""
-
-    def __init__(self, inner, service: str, metrics: ServerMetrics) -> None:
-        self._inner, self._service, self._metrics = inner, service, metrics
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not (callable(attr) and name[:1].isupper()):
-            return attr
-        method = f"/{self._service}/{name}"
-        record = self._metrics.observe_request
-
-        def outcome(context, exc: Optional[BaseException]) -> str:
-            if isinstance(exc, asyncio.CancelledError):
-                return "cancelled"
-            code = context.code() if hasattr(context, "code") else None
-            if code is not None and code != grpc.StatusCode.OK:
-                return code_name(code)
-            return "ok" if exc is None else "internal"
-
-        if not (inspect.isasyncgenfunction(attr) or inspect.iscoroutinefunction(attr)):
-            return attr  # not an aio handler shape we can wrap; served uncounted
-        if inspect.isasyncgenfunction(attr):
-            async def streaming(request, context):
-                exc = None
-                try:
-                    async for reply in attr(request, context):
-                        yield reply
-                except BaseException as e:
-                    exc = e
-                    raise
-                finally:
-                    record("grpc", method, outcome(context, exc))
-            return streaming
-
-        async def unary(request, context):
-            exc = None
-            try:
-                return await attr(request, context)
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                record("grpc", method, outcome(context, exc))
-        return unary
-
-
-class _EngineCollector:
-    """Engine state read at scrape time."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    def describe(self) -> Iterable:
-        return []
-
-    def collect(self) -> Iterable:
-        e = self.engine
-        gauges = {
-            "running_requests": ("Requests being decoded or prefilled", "running_requests"),
-            "waiting_requests": ("Requests queued for admission", "waiting_requests"),
-            "kv_pages_used": ("KV-cache pages in use", "pages_used"),
-            "kv_pages_total": ("KV-cache pages in the pool", "pages_total"),
-        }
-        counters = {
-            "prompt_tokens": ("Prompt tokens processed", "total_prompt_tokens"),
-            "generation_tokens": ("Tokens generated", "total_generated_tokens"),
-            "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
-            "compilations_after_warmup": ("XLA compilations after warmup (should stay 0)",
-                                          "compilations_after_warmup"),
-        }
-        g_fam = {k: GaugeMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in gauges.items()}
-        c_fam = {k: CounterMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in counters.items()}
-        routes = GaugeMetricFamily("xlaserve_cpu_matmul_path",
-                                   "1 for the path (kernel or xla) serving each decoder matrix and row class",
-                                   labels=["model", "weight", "shape_class", "path"])
-        for info in list(e.models()):
-            try:
-                st = e.stats(info.name)
-            except Exception:  # a stopped model has no stats; skip it rather than fail the scrape
-                continue
-            for k, (_, attr) in gauges.items():
-                g_fam[k].add_metric([info.name], float(getattr(st, attr, 0) or 0))
-            for k, (_, attr) in counters.items():
-                c_fam[k].add_metric([info.name], float(getattr(st, attr, 0) or 0))
-            for r in st.matmul_routes:
-                routes.add_metric([info.name, r.weight, r.shape_class, r.path], 1.0)
-        yield from g_fam.values()
-        yield from c_fam.values()
-        yield routes
-        engine_req = CounterMetricFamily("xlaserve_engine_requests",
-                                         "Engine requests: accepted, and each terminal outcome", labels=["outcome"])
-        for outcome, value in e.counters.snapshot().items():
-            engine_req.add_metric([outcome], float(value))
-        yield engine_req
-        ready = GaugeMetricFamily("xlaserve_ready", "1 when every model is warm and the server is not draining")
-        ready.add_metric([], 1.0 if e.ready() else 0.0)
-        yield ready
-
-
 # ----------------------------------------------------------------------------- error responses
 
 
@@ -230,7 +55,7 @@ def _is_openai_path(path: str) -> bool:
 
 
 def error_response(path: str, err: BaseException, headers: Optional[dict[str, str]] = None) -> JSONResponse:
-    """The one JSON error response of this app; status and code come from frontends.errors."""
+    """The one JSON error response of this app; status and code come from frontends.common.errors."""
     status = http_status(err)
     hdrs = dict(headers or {})
     retry = retry_after_s(err)
@@ -480,22 +305,14 @@ class BodyLimitMiddleware:
 # ----------------------------------------------------------------------------- the app
 
 
-def package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("xlaserve")
-    except Exception:
-        return "0+unknown"
-
-
-def create_app(engine, *, api_key: Optional[str] = None, servicers: Optional[dict] = None,
+def create_app(engine: EngineAPI, *, api_key: Optional[str] = None, servicers: Optional[dict[str, Any]] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, admin_api_key: Optional[str] = None,
                enable_admin: bool = False, metrics: Optional[ServerMetrics] = None,
                body_timeout_s: float = DEFAULT_HTTP_READ_TIMEOUT_S) -> FastAPI:
     """The HTTP front over `engine`.
 
-    `servicers` (from `frontends.grpc.server.make_servicers`) adds the JSON mirror routes, with
+    `servicers` (the composition root builds them with `frontends.grpc.server.make_servicers`)
+    adds the JSON mirror routes, with
     the same admin gating as the gRPC front (`enable_admin`, `admin_api_key`). `metrics` lets
     a caller share one ServerMetrics (and its instrumented engine) with the gRPC front.
     """
@@ -538,9 +355,6 @@ def create_app(engine, *, api_key: Optional[str] = None, servicers: Optional[dic
 
     app.include_router(openai_router)
     if servicers:
-        from frontends.grpc.server import AccessPolicy
-        from frontends.http.mirror import add_mirror_routes
-
         policy = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, enable_admin=enable_admin)
         add_mirror_routes(app, servicers, policy=policy, max_body_bytes=max_body_bytes)
 

@@ -4,7 +4,7 @@ One generic route per method, generated from the service descriptors, calls the 
 objects as the gRPC server with a small stand-in for grpc.aio.ServicerContext. Bodies use the
 proto3 JSON mapping (lowerCamelCase out, either spelling in, unknown fields rejected).
 Server-streaming methods answer NDJSON, or Server-Sent Events with `Accept: text/event-stream`.
-Errors: HTTP status from frontends/errors.py and a Connect-style body {"code", "message"}.
+Errors: HTTP status from frontends/common/errors.py and a Connect-style body {"code", "message"}.
 A unary reply's trailing metadata comes back as `trailer-<key>` headers (Connect's unary rule).
 A client that goes away cancels the servicer call, which aborts the engine request.
 """
@@ -19,9 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import descriptor_pool, json_format, message_factory
 
-import frontends.grpc.server  # noqa: F401  (registers the three services' descriptors)
-from frontends.errors import HTTP_BY_GRPC, code_name, grpc_code
-from frontends.grpc.server import AccessPolicy
+from frontends.common.access import AccessPolicy
+from frontends.common.errors import HTTP_BY_GRPC, code_name, grpc_code
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -136,7 +135,7 @@ def add_mirror_routes(
 
 _ERROR_SCHEMA = {"type": "object", "required": ["code", "message"],
                  "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}
-# Every status a mirror route can answer besides 200 (gRPC status -> HTTP as frontends/errors.py maps it).
+# Every status a mirror route can answer besides 200 (gRPC status -> HTTP as frontends/common/errors.py maps it).
 _MIRROR_RESPONSES: dict[Any, dict[str, Any]] = {
     status: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
     for status, text in (

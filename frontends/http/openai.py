@@ -27,17 +27,25 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontends.errors import code_name, error_message, grpc_code, http_status
-from jax_engine.demo_model import is_demo_model
-from jax_engine.engine import TOKENIZE_INLINE_CHARS
-from jax_engine.errors import (AlreadyExists, EngineError, Internal, InvalidRequest, NotFound, Overloaded,
-                               PermissionDenied, Unauthenticated, Unavailable)
+from frontends.common.errors import code_name, error_message, grpc_code, http_status
+from jax_engine.api import TOKENIZE_INLINE_CHARS, EngineAPI, Tokenizer
+from jax_engine.errors import (
+    AlreadyExists,
+    EngineError,
+    Internal,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from jax_engine.types import EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
 
 # ----------------------------------------------------------------------------- error envelope
 
 # OpenAI's `error.type` per HTTP status (the engine-error -> status mapping lives in
-# frontends/errors.py; this only names the status the way OpenAI clients expect).
+# frontends/common/errors.py; this only names the status the way OpenAI clients expect).
 _ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -163,11 +171,11 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else _LOGPROB_FLOOR
 
 
-def _engine(request: Request):
+def _engine(request: Request) -> EngineAPI:
     return request.app.state.engine
 
 
-def _check_serving(engine) -> None:
+def _check_serving(engine: EngineAPI) -> None:
     # Before load_all finishes the engine has no models, so resolving a name would say 404;
     # the truthful answer for starting / draining / failed workers is 503.
     if not engine.ready():
@@ -176,7 +184,7 @@ def _check_serving(engine) -> None:
         raise Unavailable("server is not ready (models are loading or a worker failed)")
 
 
-def _resolve(engine, name: Optional[str], task: str) -> ModelInfo:
+def _resolve(engine: EngineAPI, name: Optional[str], task: str) -> ModelInfo:
     _check_serving(engine)
     try:
         return engine.model_info(name or None, task)
@@ -241,7 +249,7 @@ def _check_max_tokens_pair(body: ChatCompletionRequest) -> None:
                                         f"({body.max_completion_tokens}) differ; send only max_completion_tokens")
 
 
-def _sampling_params(engine, body: _SamplingFields, *, max_tokens: Optional[int],
+def _sampling_params(engine: EngineAPI, body: _SamplingFields, *, max_tokens: Optional[int],
                      logprobs: bool, top_logprobs: int, top_logprobs_field: str) -> SamplingParams:
     # The engine validates every limit again (n, stop strings, stop ids, ...) and names those
     # fields itself; checked here are the fields whose OpenAI names differ from the engine's.
@@ -350,7 +358,7 @@ class _Generation:
 
     _END = object()
 
-    def __init__(self, engine, reqs: list[GenerateRequest], n: int):
+    def __init__(self, engine: EngineAPI, reqs: list[GenerateRequest], n: int):
         self.engine = engine
         self.reqs = reqs
         self.n = n
@@ -432,7 +440,7 @@ class _Generation:
 class _TokenText:
     """Per-request cache of single-token strings for logprobs output."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
 
@@ -541,7 +549,7 @@ _ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
 
 
 def _model_card(info: ModelInfo, created: int) -> dict[str, Any]:
-    random = info.random_weights or is_demo_model(info.path)
+    random = info.random_weights
     return {
         "id": info.name,
         "object": "model",
@@ -700,7 +708,7 @@ def _openai_field_error(err: InvalidRequest, renames: dict[str, str]) -> Invalid
     return field_error(renames.get(field, field), message)
 
 
-async def _respond(request: Request, engine, reqs: list[GenerateRequest], body: _SamplingFields, shape: _Shape,
+async def _respond(request: Request, engine: EngineAPI, reqs: list[GenerateRequest], body: _SamplingFields, shape: _Shape,
                    *, rid: str, model: str) -> Response:
     """Run the generation and answer as one JSON body or as an SSE stream."""
     gen = _Generation(engine, reqs, body.n)
@@ -883,7 +891,7 @@ def _message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def _render_chat(tokenizer, messages: list[ChatMessage], info: ModelInfo) -> list[int]:
+def _render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], info: ModelInfo) -> list[int]:
     """Messages -> prompt token ids through the model's own chat template."""
     if not messages:
         raise field_error("messages", "messages must not be empty")

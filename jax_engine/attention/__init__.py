@@ -40,7 +40,7 @@ CHOICES = ("auto", "reference", "pallas")
 
 
 def _platform() -> str:
-    from jax_engine import backend   # the one place that names the platform (tests patch it)
+    from jax_engine import backend  # the one place that names the platform (tests patch it)
 
     return backend.platform()
 

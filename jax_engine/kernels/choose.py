@@ -15,6 +15,22 @@ float32, median ms per layer (M = rows multiplied at once):
 so a fixed rule ("the kernel on CPU") is 2.5-3x too slow there, and even here the kernel's lead
 fades above a few hundred rows.
 
+The third path, the library sgemm (cpu.cc's XlaserveBlasGemmF32 calling the OpenBLAS inside
+numpy's wheel: no new dependency, no extra weight layout, since it reads XLA's own [L, K, N]):
+where XLA's dot is weak at prefill-sized M (the Intel host above: 78 GFLOP/s against torch's 227)
+a tuned BLAS is what wins; where it is not, it must not be chosen. Standalone [M, 768] x [768,
+2048] float32 on this host, quiet, GFLOP/s:
+
+    M                           1     16    128    512   2048
+      OpenBLAS (numpy)         63     95    172    198    200
+      XLA dot                  35    155    182    204    204
+
+so here the two are level at prefill rows and XLA leads at decode rows. The library is timed for
+float32 weights at prefill row counts only (it has no bfloat16 or int8 GEMM; at decode rows it is
+a GEMV against the panel kernel's weight stream), and since it runs on its own thread pool (which
+spins after a call, competing with XLA's) it is kept only where it beats the best other path by
+more than MARGIN.
+
 What is timed (`choose`): for each matrix of the served decoder (qkv, o, gate_up, down and the LM
 head) both paths on synthetic weights with the model's real contraction size, layout and dtype
 (float32 / bfloat16 arrays, or weight-only int8 {"q", "s"}): XLA's einsum over the model's layout
@@ -33,7 +49,8 @@ medians compared: alternation and medians keep a noisy, shared host from favouri
 (two samples suffice when one path is over twice as slow in every sample).
 
 The rule (`_route`):
-  1. per timed row count, the kernel wins only if its median is below XLA's;
+  1. per timed row count, the path with the lowest median wins (XLA on a tie; the library sgemm
+     only if it beats the others by more than MARGIN);
   2. neighbouring row counts with the same winner form one class; a class boundary falls at D
      (decode / prefill) or, between 1 and D, at the power of two nearest their geometric mean;
   3. memory: a matrix served by both paths needs both layouts (the packed panels and XLA's),
@@ -73,99 +90,27 @@ import math
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_engine.kernels import cpu as cpu_kernels
+from jax_engine.kernels.plan import LAYOUT, PATHS, UNBOUNDED, MatmulPlan, Timing
+from jax_engine.models import llama
 
 log = logging.getLogger("xlaserve.kernels")
 
-RULE_VERSION = 1
+RULE_VERSION = 2
 MARGIN = 0.10                    # a second layout must win by more than this (see the module docstring)
-PATHS = ("xla", "kernel")
-UNBOUNDED = sys.maxsize          # max_m of a matrix's last route
 SAMPLES = 5                      # alternating samples per path and point (after one warm call each)
 MIN_SAMPLE_S = 0.002             # back-to-back calls per sample until at least this long
 PREFILL_FLOPS = 0.5e9            # per layer at a prefill point
 MIN_COLUMNS = 512                # output columns kept at a prefill point
-
-
-# --------------------------------------------------------------------------- the plan
-@dataclass(frozen=True)
-class Timing:
-    """One timed point: median seconds per layer of each path on the timed slice."""
-
-    weight: str
-    m: int
-    shape_class: str
-    xla_s: float
-    kernel_s: float
-    slice: str = ""              # what was timed, e.g. "2 x [768] -> [2048] float32"
-
-
-@dataclass(frozen=True)
-class MatmulPlan:
-    """Which path multiplies each matrix, by row count: routes[weight] = ((max_m, path), ...),
-    ascending; the first route with m <= max_m applies (the last has max_m = UNBOUNDED)."""
-
-    routes: tuple[tuple[str, tuple[tuple[int, str], ...]], ...]
-    decode_rows: int = 0
-    timings: tuple[Timing, ...] = field(default=(), compare=False, hash=False)
-    source: str = field(default="measured", compare=False, hash=False)     # measured | cached
-
-    def path(self, weight: str, m: int) -> str:
-        for max_m, p in dict(self.routes)[weight]:
-            if m <= max_m:
-                return p
-        raise AssertionError("the last route is unbounded")
-
-    def layouts(self, weight: str) -> frozenset[str]:
-        return frozenset(p for _, p in dict(self.routes)[weight])
-
-    @property
-    def mode(self) -> str:
-        """"xla" or "kernel" when one path serves everything (cfg.matmul), else "mixed"."""
-        used = {p for _, rs in self.routes for _, p in rs}
-        return used.pop() if len(used) == 1 else "mixed"
-
-    def summary(self) -> list[dict[str, Any]]:
-        """One row per (matrix, route), for stats and metrics: weight; shape_class ("decode" =
-        1..decode_rows, "prefill" = beyond, "all", or "M<=4" / "4<M<=16" / "M>16" when a class
-        splits); min_m, max_m (None = unbounded); path; and the timed points inside the route
-        (ms per layer on the timed slice, both paths)."""
-        out = []
-        for w, rs in self.routes:
-            lo = 1
-            for max_m, p in rs:
-                hi = None if max_m == UNBOUNDED else max_m
-                pts = [t for t in self.timings if t.weight == w and lo <= t.m <= (hi or UNBOUNDED)]
-                out.append({"weight": w, "shape_class": _class_name(lo, hi, self.decode_rows), "min_m": lo, "max_m": hi,
-                            "path": p, "timings_ms": {t.m: {"xla": t.xla_s * 1e3, "kernel": t.kernel_s * 1e3} for t in pts}})
-                lo = max_m + 1
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {"routes": {w: [list(r) for r in rs] for w, rs in self.routes}, "decode_rows": self.decode_rows,
-                "timings": [dataclasses.asdict(t) for t in self.timings]}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any], source: str) -> "MatmulPlan":
-        return cls(routes=tuple((w, tuple((int(m), str(p)) for m, p in rs)) for w, rs in d["routes"].items()),
-                   decode_rows=int(d["decode_rows"]), timings=tuple(Timing(**t) for t in d["timings"]), source=source)
-
-
-def _class_name(lo: int, hi: Optional[int], d: int) -> str:
-    named = {(1, d): "decode", (d + 1, None): "prefill", (1, None): "all"}
-    if (lo, hi) in named:
-        return named[(lo, hi)]
-    return f"M>{lo - 1}" if hi is None else (f"M<={hi}" if lo == 1 else f"{lo - 1}<M<={hi}")
 
 
 # --------------------------------------------------------------------------- what to time
@@ -181,6 +126,7 @@ class Case:
     int8: bool                       # weight-only int8 {"q", "s"}
     tied: bool = False               # LM head = embed^T (XLA reads the [V, H] embedding)
     points: tuple[int, ...] = ()     # row counts to time
+    blas: bool = False               # also time the library sgemm (at prefill points)
 
     @property
     def k(self) -> int:
@@ -197,17 +143,19 @@ class Case:
 
 def cases(cfg: Any, dtype: Any, quantize: str, decode_rows: int, prefill_tokens: int) -> list[Case]:
     """The matrices of `cfg` (a LlamaConfig, tp 1) and the row counts each is timed at."""
-    from jax_engine.models import llama
-
     dec = sorted({1, decode_rows})
     pre = [prefill_tokens] if prefill_tokens > decode_rows else []
     name = jnp.dtype(dtype).name
+    # the library sgemm: float32 only (numpy's OpenBLAS has no bfloat16 or int8 GEMM), timed at
+    # prefill rows only (at decode rows it is a GEMV against the panel kernel's stream)
+    blas = name == "float32" and quantize == "none" and bool(pre) and cpu_kernels.blas_available()
     out = []
     for w, (kd, od) in llama.matmul_dims(cfg).items():
         head = w == "lm_head"
         out.append(Case(w, kd, od, 1 if head else cfg.num_layers, name,
                         int8=quantize == "int8" and not (head and cfg.tie_embeddings),
-                        tied=head and cfg.tie_embeddings, points=tuple(dec if head else dec + pre)))
+                        tied=head and cfg.tie_embeddings, points=tuple(dec if head else dec + pre),
+                        blas=blas and not head))
     return out
 
 
@@ -290,8 +238,6 @@ class _Point:
     """Both paths of one case at one row count: jitted programs and synthetic operands."""
 
     def __init__(self, case: Case, m: int, decode_rows: int):
-        from jax_engine.models import llama
-
         self.case, self.m = case, m
         self.shape_class = "decode" if m <= decode_rows else "prefill"
         L, cols = _timed_slice(case, m, decode_rows)
@@ -337,6 +283,12 @@ class _Point:
         self.layers = L
         self.specs = {"xla": xla_w, "kernel": packed}
         self.fns = {"xla": jax.jit(xla_fn), "kernel": jax.jit(kernel_fn)}
+        if case.blas and self.shape_class == "prefill" and case.weight != "lm_head":
+            def blas_fn(x, w):
+                return jax.lax.scan(lambda li, _: (li + 1, cpu_kernels.blas_linear(x, w, li, kd).astype(x.dtype)),
+                                    jnp.int32(0), None, length=L)[1]
+            self.specs["blas"], self.fns["blas"] = xla_w, jax.jit(blas_fn)
+        self.paths = tuple(self.fns)
         self._exe: dict[str, Any] = {}
         self._args: dict[str, tuple] = {}
 
@@ -364,7 +316,7 @@ Timer = Callable[[Case, int, dict[str, Callable[[], None]]], dict[str, float]]
 def wall_timer(case: Case, m: int, runs: dict[str, Callable[[], None]]) -> dict[str, float]:
     """Median seconds per call of each path: one warm call each, then up to SAMPLES alternating
     samples of back-to-back calls lasting >= MIN_SAMPLE_S. Stops after two rounds when every
-    sample of one path is over twice every sample of the other (bfloat16 XLA dots can be 40x
+    sample of every other path is over twice every sample of the fastest (bfloat16 XLA dots can be 40x
     slower than the kernel: no need to time them five times)."""
     reps = {}
     for p, run in runs.items():
@@ -379,8 +331,8 @@ def wall_timer(case: Case, m: int, runs: dict[str, Callable[[], None]]) -> dict[
             for _ in range(reps[p]):
                 runs[p]()
             samples[p].append((time.perf_counter() - t0) / reps[p])
-        lo, hi = sorted(samples.values(), key=statistics.median)
-        if i >= 1 and min(hi) > 2 * max(lo):
+        fast = min(samples.values(), key=statistics.median)
+        if i >= 1 and all(min(s) > 2 * max(fast) for s in samples.values() if s is not fast):
             break
     return {p: statistics.median(s) for p, s in samples.items()}
 
@@ -396,15 +348,25 @@ def decision_dir() -> str:
 
 # --------------------------------------------------------------------------- the rule
 def _route(case: Case, times: dict[int, dict[str, float]], decode_rows: int) -> tuple[tuple[int, str], ...]:
-    """Routes of one matrix from its timed points (rules 1-3 of the module docstring)."""
+    """Routes of one matrix from its timed points (rules 1-3 of the module docstring). The library
+    sgemm brings its own threads, so it must beat the other paths by more than MARGIN."""
     pts = sorted(times)
-    win = {m: ("kernel" if times[m]["kernel"] < times[m]["xla"] else "xla") for m in pts}
-    best = {p: max((times[m][_other(p)] / times[m][p] - 1 for m in pts if win[m] == p), default=-1.0) for p in PATHS}
-    if len(set(win.values())) == 2:                       # rule 3: does each layout pay for itself?
-        weak = [p for p in PATHS if best[p] <= MARGIN]
+
+    def best(m: int, allowed: set[str]) -> str:
+        cand = [p for p in PATHS if p in times[m] and p in allowed]
+        return min(cand, key=lambda p: times[m][p] * (1 + MARGIN if p == "blas" else 1))
+
+    every = set(PATHS)
+    win = {m: best(m, every) for m in pts}
+    lays = {LAYOUT[win[m]] for m in pts}
+    if len(lays) == 2:                                   # rule 3: does each layout pay for itself?
+        def margin(lay: str) -> float:
+            return max((min(t for p, t in times[m].items() if LAYOUT[p] != lay) / times[m][win[m]] - 1
+                        for m in pts if LAYOUT[win[m]] == lay), default=-1.0)
+        weak = [lay for lay in ("kernel", "xla") if margin(lay) <= MARGIN]
         if weak:
-            drop = "kernel" if len(weak) == 2 else weak[0]
-            win = {m: _other(drop) for m in pts}
+            drop = weak[0]                               # both weak: drop the panels (XLA's layout stays)
+            win = {m: best(m, {p for p in PATHS if LAYOUT[p] != drop}) for m in pts}
     routes: list[tuple[int, str]] = []
     for a, b in zip(pts, pts[1:]):
         if win[a] != win[b]:
@@ -414,16 +376,12 @@ def _route(case: Case, times: dict[int, dict[str, float]], decode_rows: int) -> 
     return tuple(routes)
 
 
-def _other(p: str) -> str:
-    return "xla" if p == "kernel" else "kernel"
-
-
 def _log_plan(plan: MatmulPlan, cases_: list[Case]) -> None:
     by = {c.weight: c for c in cases_}
     for w, rs in plan.routes:
         c = by[w]
-        pts = "; ".join(f"{t.shape_class} M={t.m}: kernel {t.kernel_s * 1e3:.3f} ms, xla {t.xla_s * 1e3:.3f} ms"
-                        f" ({t.slice})" for t in plan.timings if t.weight == w)
+        pts = "; ".join(f"{t.shape_class} M={t.m}: " + ", ".join(f"{p} {v * 1e3:.3f} ms" for p, v in t.seconds().items())
+                        + f" ({t.slice})" for t in plan.timings if t.weight == w)
         route = ", ".join(f"{p} for M<={m}" if m != UNBOUNDED else (f"{p} beyond" if len(rs) > 1 else p) for m, p in rs)
         extra = ""
         if len(plan.layouts(w)) == 2 and not (w == "lm_head" and c.tied):
@@ -453,19 +411,20 @@ def choose(cases_: list[Case], decode_rows: int, *, timer: Optional[Timer] = Non
     timer = timer or default_timer
     if getattr(timer, "precompile", False):              # compile everything first, a few at a time
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            list(pool.map(lambda a: a[0].compile(a[1]), [(pt, p) for pt in points for p in PATHS]))
+            list(pool.map(lambda a: a[0].compile(a[1]), [(pt, p) for pt in points for p in pt.paths]))
     t_compiled = time.time()
     timings, routes = [], []
     for c in cases_:
         times: dict[int, dict[str, float]] = {}
         for pt in (p for p in points if p.case is c):
-            got = timer(c, pt.m, {p: pt.runner(p) for p in PATHS})
+            got = timer(c, pt.m, {p: pt.runner(p) for p in pt.paths})
             pt.release()
-            times[pt.m] = {p: got[p] / pt.layers for p in PATHS}
-            timings.append(Timing(c.weight, pt.m, pt.shape_class, times[pt.m]["xla"], times[pt.m]["kernel"], pt.slice))
+            times[pt.m] = {p: got[p] / pt.layers for p in pt.paths}
+            timings.append(Timing(c.weight, pt.m, pt.shape_class, times[pt.m]["xla"], times[pt.m]["kernel"], pt.slice,
+                                  blas_s=times[pt.m].get("blas")))
         routes.append((c.weight, _route(c, times, decode_rows)))
     plan = MatmulPlan(routes=tuple(routes), decode_rows=decode_rows, timings=tuple(timings))
-    log.info("cpu matmul: timed %d row counts x 2 paths in %.1fs (compiling %.1fs); cached as %s", len(points),
+    log.info("cpu matmul: timed %d row counts x 2-3 paths in %.1fs (compiling %.1fs); cached as %s", len(points),
              time.time() - t0, t_compiled - t0, path)
     _log_plan(plan, cases_)
     try:

@@ -15,6 +15,8 @@ kernel is faster: jax_engine/kernels/choose.py times both paths on this host and
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import glob
 import hashlib
 import logging
 import math
@@ -37,6 +39,7 @@ TARGET = "xlaserve_cpu_gemm_f32"
 I8_TARGET = "xlaserve_cpu_gemm_i8"
 BF16_TARGET = "xlaserve_cpu_gemm_bf16"
 ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
+BLAS_TARGET = "xlaserve_cpu_blas_gemm_f32"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}      # "ok": bool, "reason": str, "lib": CDLL
@@ -128,6 +131,7 @@ def available() -> bool:
             jax.ffi.register_ffi_target(I8_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8), platform="cpu")
             jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBF16), platform="cpu")
             jax.ffi.register_ffi_target(ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveDecodeAttentionF32), platform="cpu")
+            jax.ffi.register_ffi_target(BLAS_TARGET, jax.ffi.pycapsule(lib.XlaserveBlasGemmF32), platform="cpu")
             _state.update(ok=True, reason="", lib=lib)
         except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot instead
             _state.update(ok=False, reason=str(e) or type(e).__name__)
@@ -143,6 +147,70 @@ def _require() -> None:
     """Trace-time check that the custom-call targets are registered in this process."""
     if not available():
         raise RuntimeError(f"CPU kernels unavailable: {reason()}")
+
+
+# --------------------------------------------------------------------------- library sgemm
+def _find_sgemm() -> tuple[int, bool, str]:
+    """(address, ilp64, library) of a cblas_sgemm: the OpenBLAS inside numpy's wheel (numpy.libs /
+    numpy/.dylibs, symbols scipy_cblas_sgemm64_ or scipy_cblas_sgemm), else a system libopenblas.
+    numpy already loaded its copy, so this adds no library to the process and no dependency."""
+    here = os.path.dirname(os.path.abspath(np.__file__))
+    cands = sorted(glob.glob(os.path.join(here + ".libs", "libscipy_openblas*")) +
+                   glob.glob(os.path.join(here, ".dylibs", "libscipy_openblas*")))
+    sys_lib = ctypes.util.find_library("openblas")
+    cands += [sys_lib] if sys_lib else []
+    for path in cands:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym, ilp64 in (("scipy_cblas_sgemm64_", True), ("scipy_cblas_sgemm", False), ("cblas_sgemm", False)):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                return ctypes.cast(fn, ctypes.c_void_p).value or 0, ilp64, os.path.basename(path)
+    raise RuntimeError("no OpenBLAS found (numpy's wheel bundles one; a system libopenblas also works)")
+
+
+def blas_available() -> bool:
+    """The library sgemm path: the kernel library builds and an OpenBLAS is found; False (with
+    `blas_reason()`) otherwise."""
+    if not available():
+        return False
+    with _lock:
+        if "blas_ok" not in _state:
+            try:
+                addr, ilp64, name = _find_sgemm()
+                _state["lib"].XlaserveSetSgemm(ctypes.c_void_p(addr), ctypes.c_int(int(ilp64)))
+                _state.update(blas_ok=True, blas_reason="", blas_lib=name)
+            except Exception as e:  # noqa: BLE001 - any failure means: no library path
+                _state.update(blas_ok=False, blas_reason=str(e) or type(e).__name__)
+        return _state["blas_ok"]
+
+
+def blas_reason() -> str:
+    return _state.get("blas_reason", "not looked for yet") if available() else reason()
+
+
+def blas_gemm(x: jax.Array, w: jax.Array, layer: Any, trans_b: bool = False) -> jax.Array:
+    """x [M, K] @ w[layer] for a float32 stacked weight w [L, K, N] (XLA's layout; [L, N, K] with
+    trans_b), by the library sgemm; [M, N] float32."""
+    if not blas_available():
+        raise RuntimeError(f"library sgemm unavailable: {blas_reason()}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1] if trans_b else w.shape[2]), jnp.float32)
+    li = jnp.asarray(layer, jnp.int32).reshape(())
+    return jax.ffi.ffi_call(BLAS_TARGET, out)(x.astype(jnp.float32), w.astype(jnp.float32), li, trans_b=int(trans_b))
+
+
+def blas_linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int) -> jax.Array:
+    """The library-sgemm counterpart of an einsum contracting x's last k_dims axes with the stacked
+    weight w [L, K..., N...] (XLA's layout, contraction dims first): x.shape[:-k_dims] + N... float32."""
+    lead, kshape = x.shape[:x.ndim - k_dims], x.shape[x.ndim - k_dims:]
+    if tuple(w.shape[1:1 + k_dims]) != tuple(kshape):
+        raise ValueError(f"weight {w.shape} does not fit input {x.shape}")
+    out_tail = tuple(w.shape[1 + k_dims:])
+    K, n = math.prod(kshape), math.prod(out_tail)
+    y = blas_gemm(x.reshape(-1, K), w.reshape(w.shape[0], K, n), layer)
+    return y.reshape(lead + out_tail)
 
 
 # --------------------------------------------------------------------------- layout
@@ -225,14 +293,15 @@ def reference_gemm(x: np.ndarray, w_packed: Any, layer: int, n: int) -> np.ndarr
 
 
 # --------------------------------------------------------------------------- choice
-CHOICES = ("auto", "xla", "kernel")
+CHOICES = ("auto", "xla", "kernel", "blas")
 
 
 def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
     """--cpu-matmul without measuring: 'kernel' where the kernel can run (CPU, float32 or bfloat16
-    weights or weight-only int8, tp 1, and it builds), else 'xla'. 'xla' forces XLA's dot; asking
-    for 'kernel' where it cannot run is an error rather than a silent fallback. With 'auto' a
-    'kernel' answer means "eligible": choose.configure then times both paths and keeps the faster."""
+    weights or weight-only int8, tp 1, and it builds), else 'xla'. 'xla' forces XLA's dot, 'blas'
+    the library sgemm (float32 only); asking for 'kernel' or 'blas' where it cannot run is an error
+    rather than a silent fallback. With 'auto' a 'kernel' answer means "eligible": choose.configure
+    then times the paths and keeps the fastest."""
     from jax_engine.errors import InvalidRequest
 
     if choice not in CHOICES:
@@ -243,6 +312,8 @@ def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
     why = None
     if plat != "cpu":
         why = f"it is a CPU kernel and the platform is {plat}"
+    elif choice == "blas" and (jnp.dtype(dtype) != jnp.float32 or quantize != "none"):
+        why = f"the library sgemm takes float32 weights (dtype {jnp.dtype(dtype).name}, quantize {quantize})"
     elif jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
         why = f"it takes float32 or bfloat16 (dtype {jnp.dtype(dtype).name})"
     elif quantize not in ("none", "int8"):
@@ -251,11 +322,15 @@ def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
         why = f"it is not sharded for tensor parallelism (tp {tp})"
     elif not available():
         why = reason()
+    elif choice == "blas" and not blas_available():
+        why = blas_reason()
     if why is None:
-        if choice == "kernel":
-            log.info("decoder matmuls: packed-panel CPU kernel (--cpu-matmul kernel)")
+        if choice in ("kernel", "blas"):
+            log.info("decoder matmuls: %s (--cpu-matmul %s)",
+                     "packed-panel CPU kernel" if choice == "kernel" else f"library sgemm ({_state.get('blas_lib')})", choice)
+            return choice
         return "kernel"
-    if choice == "kernel":
-        raise InvalidRequest(f"--cpu-matmul kernel: {why}; use auto or xla")
+    if choice in ("kernel", "blas"):
+        raise InvalidRequest(f"--cpu-matmul {choice}: {why}; use auto or xla")
     log.info("decoder matmuls: XLA dot (%s)", why)
     return "xla"

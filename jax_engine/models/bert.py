@@ -22,19 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weights_convert.hf import CheckpointError, CheckpointReader, read_config
+from jax_engine import backend
+from jax_engine.checkpoint.hf import CheckpointError, CheckpointReader, read_config
+from jax_engine.models.registry import ARCHITECTURES, architecture_of
 
-# architecture -> (family, has sequence-classification head)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "BertModel": ("bert", False),
-    "BertForMaskedLM": ("bert", False),
-    "BertForSequenceClassification": ("bert", True),
-    "RobertaModel": ("roberta", False),
-    "RobertaForSequenceClassification": ("roberta", True),
-    "XLMRobertaModel": ("roberta", False),
-    "XLMRobertaForSequenceClassification": ("roberta", True),
-}
-_MODEL_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # HF "gelu" is the exact erf form
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
@@ -42,7 +33,6 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
 }
 POOLING_MODES = ("cls", "mean", "last")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclass
@@ -95,8 +85,8 @@ class EncoderConfig:
 def parse_config(cfg: dict, folder: Optional[str] = None, task: Optional[str] = None,
                  dtype: str = "float32") -> EncoderConfig:
     """EncoderConfig from a config.json dict (+ sentence-transformers files in `folder`)."""
-    arch = _architecture(cfg)
-    family, has_head = SUPPORTED_ARCHITECTURES[arch]
+    arch = architecture_of(cfg, kind="encoder")
+    family, has_head = ARCHITECTURES[arch].family, ARCHITECTURES[arch].head
     task = task or ("classify" if has_head else "embed")
     if task == "classify" and not has_head:
         raise CheckpointError(f"architecture {arch} has no classification head; serve it as 'embed'")
@@ -108,8 +98,9 @@ def parse_config(cfg: dict, folder: Optional[str] = None, task: Optional[str] = 
     act = cfg.get("hidden_act", "gelu")
     if act not in _ACTIVATIONS:
         raise CheckpointError(f"hidden_act {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r} is not supported for encoders; use one of {sorted(DTYPES)}")
+    if dtype not in backend.DTYPE_NAMES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported for encoders; use one of {sorted(backend.DTYPE_NAMES)}")
+    dtype = jnp.dtype(backend.DTYPE_NAMES[dtype]).name
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     if hidden % heads:
         raise CheckpointError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
@@ -138,20 +129,6 @@ def parse_config(cfg: dict, folder: Optional[str] = None, task: Optional[str] = 
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
     )
-
-
-def _architecture(cfg: dict) -> str:
-    archs = cfg.get("architectures") or []
-    for a in archs:
-        if a in SUPPORTED_ARCHITECTURES:
-            return a
-    if not archs and cfg.get("model_type") in _MODEL_TYPES:
-        # Old folders sometimes omit `architectures`; the bare encoder is the safe reading.
-        return {"bert": "BertModel", "roberta": "RobertaModel",
-                "xlm-roberta": "XLMRobertaModel"}[cfg["model_type"]]
-    raise CheckpointError(
-        f"unsupported encoder architecture {archs or cfg.get('model_type')!r}; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _pad_token_id(cfg: dict, family: str) -> int:
@@ -233,7 +210,7 @@ def load_encoder(path: str, dtype: str = "float32", task: Optional[str] = None,
     cfg = parse_config(read_config(path), path, task=task, dtype=dtype)
     reader = CheckpointReader(path)
     prefix = _find_prefix(reader)
-    np_dtype = np.dtype(DTYPES[dtype])
+    np_dtype = np.dtype(backend.DTYPE_NAMES[dtype])
     load = _TensorLoader(reader, prefix, np_dtype)
     params = {"embeddings": _load_embeddings(load, cfg), "layers": _load_layers(load, cfg)}
     if cfg.task == "classify":

@@ -16,7 +16,7 @@ With cfg.matmul == "kernel" (CPU) the four layer matrices and the LM head are in
 (--cpu-matmul auto measured a different winner per matrix or per row count, jax_engine/kernels/
 choose.py) cfg.matmul_plan routes each matmul by its static row count M: a matrix only the kernel
 serves is packed in place of its layout, one served by both keeps its layout and gets a packed copy
-under "<name>_panels".
+under "<name>_panels". "blas" (the library sgemm, float32) reads the layouts above unchanged.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import numpy as np
 from jax_engine import attention
 from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as cpu_kernels
-from jax_engine.kernels.choose import MatmulPlan
+from jax_engine.kernels.plan import MatmulPlan
 from jax_engine.models.registry import DECODERS, architecture_of
 
 Params = dict[str, Any]
@@ -63,7 +63,8 @@ class LlamaConfig:
     # jax_engine/attention backend; the served path sets it from --attention-backend (attention.resolve)
     attention_backend: str = "reference"
     # "xla": einsum over the layouts above; "kernel": packed [L, P, K, 64] weights and the CPU
-    # custom call (jax_engine/kernels/cpu.py); "mixed": per matrix and row count, as matmul_plan
+    # custom call (jax_engine/kernels/cpu.py); "blas": the library sgemm on the XLA layouts (float32);
+    # "mixed": per matrix and row count, as matmul_plan
     # says (jax_engine/kernels/choose.py); the served path sets both from --cpu-matmul
     matmul: str = "xla"
     matmul_plan: Optional[MatmulPlan] = None
@@ -190,7 +191,8 @@ def forward(
     # a kernel-routed matrix is taken whole (stacked) with the layer index: no per-layer slice copy;
     # the scan runs over the XLA-routed matrices and the small per-layer tensors only
     big = {k: layers[panels_key(cfg, k)] for k in PACKED if matmul_path(cfg, k, M) == "kernel"}
-    skip = set(big) | {f"{k}_panels" for k in PACKED}               # a second layout the scan must not slice
+    lib = {k: layers[k] for k in PACKED if matmul_path(cfg, k, M) == "blas"}   # the library sgemm, also whole
+    skip = set(big) | set(lib) | {f"{k}_panels" for k in PACKED}    # ... and a second layout the scan must not slice
     xs = {k: v for k, v in layers.items() if k not in skip}
     kvh_r = cfg.num_kv_heads * cfg.kv_repeat
 
@@ -198,6 +200,8 @@ def forward(
         """One layer matmul; out_tail (the unsharded output dims) is what the kernel path needs."""
         if name in big:
             return cpu_kernels.linear(v, big[name], li, _K_DIMS[name], out_tail).astype(v.dtype)
+        if name in lib:
+            return cpu_kernels.blas_linear(v, lib[name], li, _K_DIMS[name]).astype(v.dtype)
         return linear(v, lp[name], SPECS[name])
 
     def layer(carry, lp):
@@ -227,8 +231,13 @@ def forward(
 
 def lm_head(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
     """Logits in float32 for hidden states [..., H]."""
-    if matmul_path(cfg, "lm_head", math.prod(h.shape[:-1])) == "kernel":
+    path = matmul_path(cfg, "lm_head", math.prod(h.shape[:-1]))
+    if path == "kernel":
         return cpu_kernels.linear(h, params[panels_key(cfg, "lm_head")], 0, 1, (cfg.vocab_size,))
+    if path == "blas":                 # tied: sgemm reads the [V, H] embedding transposed
+        w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+        y = cpu_kernels.blas_gemm(h.reshape(-1, h.shape[-1]), w[None], 0, trans_b=cfg.tie_embeddings)
+        return y.reshape(h.shape[:-1] + (cfg.vocab_size,))
     if cfg.tie_embeddings:
         return jnp.einsum("...h,vh->...v", h, params["embed"], preferred_element_type=jnp.float32)
     w = params["lm_head"]
@@ -253,7 +262,7 @@ def matmul_dims(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], tuple[int,
 
 
 def matmul_path(cfg: LlamaConfig, name: str, m: int) -> str:
-    """The path ("xla" or "kernel") of matrix `name` multiplying m rows (static at trace time)."""
+    """The path ("xla", "kernel" or "blas") of matrix `name` multiplying m rows (static at trace time)."""
     if cfg.matmul == "mixed":
         assert cfg.matmul_plan is not None
         return cfg.matmul_plan.path(name, m)
@@ -261,10 +270,11 @@ def matmul_path(cfg: LlamaConfig, name: str, m: int) -> str:
 
 
 def _layouts(cfg: LlamaConfig, name: str) -> frozenset[str]:
+    """"xla" (XLA's layout, which the library sgemm also reads) and/or "kernel" (packed panels)."""
     if cfg.matmul == "mixed":
         assert cfg.matmul_plan is not None
         return cfg.matmul_plan.layouts(name)
-    return frozenset({cfg.matmul})
+    return frozenset({"kernel" if cfg.matmul == "kernel" else "xla"})
 
 
 def panels_key(cfg: LlamaConfig, name: str) -> str:
@@ -278,7 +288,7 @@ def pack_for_kernel(params: Params, cfg: LlamaConfig) -> Params:
     """The matrices the kernel serves (all of them with cfg.matmul == "kernel"; those the plan
     routes to it with "mixed") in the kernel's panel layout; for tied embeddings a packed copy of
     embed^T. A matrix only the kernel serves loses its XLA layout; everything else is unchanged."""
-    if cfg.matmul == "xla":
+    if cfg.matmul in ("xla", "blas"):
         return params
     out = dict(params)
     out["layers"] = dict(params["layers"])

@@ -1,52 +1,62 @@
-"""Which model class serves which HF architecture (chosen from config.json)."""
+"""The one table of supported HF architectures: which model family serves each, and its task."""
 from __future__ import annotations
 
-from jax_engine.errors import InvalidRequest
+from dataclasses import dataclass
+from typing import Optional
 
-DECODERS = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-ENCODERS = (
-    "BertModel",
-    "BertForMaskedLM",
-    "XLMRobertaModel",
-    "RobertaModel",
-)
-CLASSIFIERS = (
-    "BertForSequenceClassification",
-    "XLMRobertaForSequenceClassification",
-    "RobertaForSequenceClassification",
-)
-SUPPORTED = DECODERS + ENCODERS + CLASSIFIERS
+from jax_engine.checkpoint.hf import CheckpointError
 
 
-class UnsupportedArchitecture(InvalidRequest):
+@dataclass(frozen=True)
+class Architecture:
+    kind: str            # "decoder" (jax_engine/models/llama.py) | "encoder" (models/bert.py)
+    family: str          # "llama" | "bert" | "roberta" (RoBERTa: position ids from padding_idx + 1)
+    head: bool = False   # an encoder with a sequence-classification head (task "classify")
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("decoder", "llama"),
+    "MistralForCausalLM": Architecture("decoder", "llama"),
+    "Qwen2ForCausalLM": Architecture("decoder", "llama"),
+    "Qwen3ForCausalLM": Architecture("decoder", "llama"),
+    "BertModel": Architecture("encoder", "bert"),
+    "BertForMaskedLM": Architecture("encoder", "bert"),
+    "BertForSequenceClassification": Architecture("encoder", "bert", head=True),
+    "RobertaModel": Architecture("encoder", "roberta"),
+    "RobertaForSequenceClassification": Architecture("encoder", "roberta", head=True),
+    "XLMRobertaModel": Architecture("encoder", "roberta"),
+    "XLMRobertaForSequenceClassification": Architecture("encoder", "roberta", head=True),
+}
+# folders without `architectures` (some sentence-transformers ones): the bare model of the type
+BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "bert": "BertModel", "roberta": "RobertaModel",
+                 "xlm-roberta": "XLMRobertaModel"}
+DECODERS = tuple(a for a, x in ARCHITECTURES.items() if x.kind == "decoder")
+ENCODERS = tuple(a for a, x in ARCHITECTURES.items() if x.kind == "encoder" and not x.head)
+CLASSIFIERS = tuple(a for a, x in ARCHITECTURES.items() if x.head)
+SUPPORTED = tuple(ARCHITECTURES)
+
+
+class UnsupportedArchitecture(CheckpointError):
     pass
 
 
-def architecture_of(config: dict) -> str:
+def architecture_of(config: dict, kind: Optional[str] = None) -> str:
+    """The served architecture of a config.json dict (of `kind` "decoder" / "encoder" if given)."""
+    supported = [a for a, x in ARCHITECTURES.items() if kind is None or x.kind == kind]
     archs = config.get("architectures") or []
     for a in archs:
-        if a in SUPPORTED:
+        if a in supported:
             return a
-    # sentence-transformers folders sometimes omit `architectures`; fall back on model_type
-    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "bert": "BertModel", "xlm-roberta": "XLMRobertaModel",
-               "roberta": "RobertaModel"}
-    if not archs and config.get("model_type") in by_type:
-        return by_type[config["model_type"]]
+    if not archs and BY_MODEL_TYPE.get(config.get("model_type")) in supported:
+        return BY_MODEL_TYPE[config["model_type"]]
     raise UnsupportedArchitecture(
-        f"unsupported architecture {archs or config.get('model_type')!r}; supported: {', '.join(SUPPORTED)}"
-    )
+        f"unsupported {kind + ' ' if kind else ''}architecture {archs or config.get('model_type')!r}; "
+        f"supported: {', '.join(supported)}")
 
 
 def task_of(config: dict) -> str:
-    arch = architecture_of(config)
-    if arch in DECODERS:
+    arch = ARCHITECTURES[architecture_of(config)]
+    if arch.kind == "decoder":
         return "generate"
-    if arch in CLASSIFIERS:
-        return "classify"
-    return "embed"
+    return "classify" if arch.head else "embed"

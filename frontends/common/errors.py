@@ -1,4 +1,4 @@
-"""The one mapping from engine errors to protocol errors (interface.md, "Errors").
+"""The one mapping from engine errors to protocol errors.
 
 Every front (gRPC servicers, the JSON mirror, the HTTP/OpenAI app) imports from here, so a
 given failure reads the same everywhere: gRPC status code, HTTP status, a Connect-style JSON

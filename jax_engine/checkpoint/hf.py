@@ -1,8 +1,8 @@
-"""Read an HF checkpoint folder tensor by tensor (memory-mapped safetensors).
+"""An HF model folder: config.json, the tokenizer, sentence-transformers settings, and its tensors one at a time.
 
-`CheckpointReader.get(name)` returns one numpy array backed by the mmap, so a model loader can
-cast and `device_put` each tensor and drop it before reading the next: the host never holds a
-second full copy of the model.
+`CheckpointReader.get(name)` returns one numpy array backed by the safetensors mmap, so a model
+loader can cast and `device_put` each tensor and drop it before reading the next: the host never
+holds a second full copy of the model.
 """
 from __future__ import annotations
 
@@ -33,11 +33,32 @@ def read_config(path: str) -> dict:
         raise CheckpointError(f"cannot read {cfg_path}: {e}") from e
 
 
+def st_max_seq_length(path: str) -> Optional[int]:
+    """max_seq_length from a sentence-transformers folder's sentence_bert_config.json, if any."""
+    fn = os.path.join(path, "sentence_bert_config.json")
+    try:
+        with open(fn) as f:
+            value = json.load(f).get("max_seq_length")
+    except (OSError, ValueError):
+        return None
+    return int(value) if value else None
+
+
+def load_tokenizer(path: str):
+    """The folder's HF tokenizer (local files only), with a clear error when it is missing."""
+    from transformers import AutoTokenizer  # heavy: transformers
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types for a broken folder
+        raise CheckpointError(f"cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}") from e
+
+
 class CheckpointReader:
     """Lazy access to every tensor of the `*.safetensors` files in a folder (sharded or not)."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
+        from safetensors import safe_open  # heavy: safetensors (only when weights are read)
 
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
