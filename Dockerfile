@@ -45,7 +45,7 @@ USER xlaserve
 # The demo generator and the JAX compilation cache live in the user's cache directory; build
 # the demo model now so the first start only has to compile.
 ENV XDG_CACHE_HOME=/home/xlaserve/.cache
-RUN python -c "from jax_engine.demo_model import build_demo_generator, default_demo_dir; build_demo_generator(default_demo_dir())"
+RUN python -c "from jax_engine.models.demo import build_demo_generator, default_demo_dir; build_demo_generator(default_demo_dir())"
 WORKDIR /home/xlaserve
 
 EXPOSE 8000 50051

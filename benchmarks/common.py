@@ -593,7 +593,7 @@ def line_plot(path: str, title: str, series: dict[str, tuple[Sequence[float], Se
 # =============================================================================================
 def compile_counts(engine) -> dict:
     """The engine's own counter (programs compiled after warmup) and JAX's process-wide count."""
-    from jax_engine.compilation import global_compile_count
+    from jax_engine.executor.compilation import global_compile_count
 
     return {"engine_after_warmup": engine.compilations_after_warmup(), "jax_process_total": global_compile_count()}
 

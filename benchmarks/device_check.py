@@ -241,7 +241,7 @@ def run_requests(engine, prompts: list[list[int]], new_tokens: int, loop, **para
 # =============================================================================================
 def engine_logits(worker, prompt: list[int]):
     """Prefill logits of every prompt position through the paged-cache forward."""
-    from jax_engine.parity import prompt_logits
+    from jax_engine.decode.parity import prompt_logits
 
     return prompt_logits(worker.replicas[0].runner, prompt)
 
@@ -353,7 +353,7 @@ def write_bench_model(path: str, model: str, seed: int = 0) -> dict:
     from ml_dtypes import bfloat16
 
     from benchmarks import generate_vs_hf as G
-    from jax_engine.demo_model import llama_config, write_tokenizer
+    from jax_engine.models.demo import llama_config, write_tokenizer
 
     cfgs = BENCH_MODELS[model]
     marker = os.path.join(path, "device_check_model.json")
@@ -419,8 +419,8 @@ def step_bench(a, dl: Deadline) -> dict:
 
     from benchmarks import generate_vs_hf as G
     from jax_engine.config import ModelSpec
+    from jax_engine.decode.runner import page_buckets
     from jax_engine.engine import Engine
-    from jax_engine.runner import page_buckets
 
     out: dict[str, Any] = {"model_name": a.model, "config": BENCH_MODELS[a.model]}
     out["model"] = write_bench_model(a.model_dir, a.model)

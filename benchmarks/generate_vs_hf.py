@@ -106,7 +106,7 @@ def cache_root() -> str:
 
 def ensure_model(name: str, root: str | None = None) -> str:
     """Write the random model folder once (config, safetensors, tokenizer); returns its path."""
-    from jax_engine.demo_model import llama_config, write_random_llama, write_tokenizer
+    from jax_engine.models.demo import llama_config, write_random_llama, write_tokenizer
 
     path = os.path.join(root or cache_root(), f"{name}-llama-v2")
     marker = os.path.join(path, "bench_model.json")
@@ -746,7 +746,7 @@ def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, 
 
 def _page_buckets(p_max: int) -> list[int]:
     """The engine's own page buckets, so the roofline counts the keys it really gathers."""
-    from jax_engine.runner import page_buckets
+    from jax_engine.decode.runner import page_buckets
 
     return page_buckets(p_max)
 

@@ -86,7 +86,7 @@ def minilm(n: int) -> dict:
     from sentence_transformers import SentenceTransformer
 
     from jax_engine.config import EngineArgs, ModelSpec
-    from jax_engine.embed_worker import EmbedWorker
+    from jax_engine.encode.worker import EmbedWorker
     from jax_engine.types import EmbedRequest
     from tests.test_encoder import cosine_rows, run
 
@@ -152,7 +152,7 @@ def small_encoders(root: str) -> dict:
 def converted(root: str) -> dict:
     """`xlaserve convert` outputs vs transformers float32 logits on one prompt."""
     from jax_engine.config import ModelSpec
-    from jax_engine.generate_worker import GenerateWorker
+    from jax_engine.decode.worker import GenerateWorker
     from tests import hf_models
     from tests.test_decoder import PROMPTS, engine_logits, small_args
     from weights_convert.convert import convert

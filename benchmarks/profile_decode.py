@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 from benchmarks import common as C
 from benchmarks import generate_vs_hf as G
 from benchmarks.peer_worker import probe_limits
-from jax_engine.rows import DecodeRow, SamplingRow
+from jax_engine.decode.rows import DecodeRow, SamplingRow
 
 NAME = "profile_decode"
 
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_engine import sampling
+    from jax_engine.decode import sampling
     from jax_engine.models import llama
     from jax_engine.models.llama import StepInputs
 
@@ -256,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     kv_itemsize = int(runner.kv_dtype.itemsize)      # the engine's real KV dtype (float32 on CPU)
     kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     floor_ms = (wb["per_decode_step"] + kv_bytes) / (bw * 1e9) * 1e3
-    p = lambda k: res[k]["ms_p50"]
+
+    def p(k: str) -> float:
+        return res[k]["ms_p50"]
     doc["setup"] = {"model": model, "dtype": a.dtype, "batch": B, "context": ctx, "iters": iters, "weight_bytes": wb,
                     "matmul": cfg.matmul, "attention_backend": cfg.attention_backend, "kv_itemsize": kv_itemsize,
                     "bandwidth_probe": (f"one probe: torch sum over {limits['buffer_gib']} GiB, all cores, best of "

@@ -2,7 +2,7 @@
 
   python -m benchmarks.sampling_cost [--quick]
 
-Times the jitted `jax_engine.sampling.sample` over [16, V] float32 logits (V = 32,000, the
+Times the jitted `jax_engine.decode.sampling.sample` over [16, V] float32 logits (V = 32,000, the
 'small' benchmark model, and 151,936, Qwen's vocabulary) for: greedy rows; top_k 50 / top_p 0.9
 (decided among the 64 candidates); plain temperature sampling and min-p (no ranking); top_p 0.9
 alone with a flat distribution (the cut lies beyond the candidates: exact bisection); and, as the
@@ -21,7 +21,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
-from jax_engine.rows import SamplingRow
+from jax_engine.decode.rows import SamplingRow
 
 ROWS = 16
 CASES = {
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_engine import sampling as S
+    from jax_engine.decode import sampling as S
 
     doc = C.header("sampling_cost", a.quick, list(argv or sys.argv[1:]))
     base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep_pen=1.0, freq_pen=0.0, pres_pen=0.0,

@@ -51,7 +51,8 @@ if __package__ in (None, ""):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALL_TIMEOUT_S = 120.0     # a client call that takes longer than this is a hang
 MIB = 1024 * 1024
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "judge", "boxing", "matches", "under", "a", "pale", "violet", "sky", "near", "the", "old", "harbour"]
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards "
+         "quietly judge boxing matches under a pale violet sky near the old harbour").split()
 
 
 # =============================================================================================

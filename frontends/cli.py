@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:  # annotations only: multihost imports jax
-    from jax_engine.multihost import StepChannel
+    from jax_engine.executor.multihost import StepChannel
 
 log = logging.getLogger("xlaserve")
 
@@ -261,7 +261,7 @@ def _model_specs(ns: argparse.Namespace) -> list:
     common = dict(prefix_cache_ttl_s=ns.prefix_cache_ttl)
     specs = []
     if not ns.model:
-        from jax_engine.demo_model import build_demo_generator, default_demo_dir
+        from jax_engine.models.demo import build_demo_generator, default_demo_dir
 
         embed_name, demo_name = DEFAULT_MODEL_NAMES
         specs.append(ModelSpec(name=embed_name, path=default_embedding_model_path(), **common))
@@ -369,7 +369,7 @@ def _in_flight(engine) -> int:
 
 async def serve(ns: argparse.Namespace, channel: Optional["StepChannel"] = None) -> int:
     """Run both fronts until a signal (or AllSpark ShutdownService); returns the exit code.
-    `channel`: this process is process 0 of a multi-host slice (jax_engine/multihost.py)."""
+    `channel`: this process is process 0 of a multi-host slice (jax_engine/executor/multihost.py)."""
     import uvicorn
 
     from frontends.grpc.server import build_grpc_server, make_servicers, mark_not_serving
@@ -535,7 +535,7 @@ def _serve_main(argv: Sequence[str]) -> int:
     _configure_logging(ns.log_level)
     log.info("xlaserve %s", _version())
     if ns.num_processes > 1:
-        from jax_engine import multihost  # heavy: jax (only a multi-process slice needs it)
+        from jax_engine.executor import multihost  # heavy: jax (only a multi-process slice needs it)
 
         dist = multihost.DistributedArgs(ns.coordinator_address, ns.num_processes, ns.process_id)
         channel = multihost.initialize(dist)
@@ -552,7 +552,7 @@ def _serve_main(argv: Sequence[str]) -> int:
 
 def follower_main(args: Any, channel: "StepChannel") -> int:
     """Process i > 0 of a slice: load and compile the decoders of `args` (EngineArgs), then
-    replay process 0's runner calls (jax_engine/multihost.py) until it stops.
+    replay process 0's runner calls (jax_engine/executor/multihost.py) until it stops.
 
     Encoders are served by process 0 alone, on its own devices, so followers skip them. A first
     SIGTERM/SIGINT is only logged (the slice stops when process 0 does, after its drain); a
@@ -560,9 +560,9 @@ def follower_main(args: Any, channel: "StepChannel") -> int:
     """
     import jax  # heavy: jax
 
-    from jax_engine import multihost
     from jax_engine.config import resolve
     from jax_engine.engine import Engine
+    from jax_engine.executor import multihost
 
     def on_signal(sig: int, _frame: Any) -> None:
         log.warning("signal %d: process %d follows process 0 and stops when it does; send again to kill",

@@ -8,8 +8,8 @@ from typing import Optional
 import numpy as np
 
 from jax_engine.checkpoint.hf import read_config, st_max_seq_length
-from jax_engine.demo_model import is_demo_model
 from jax_engine.errors import InvalidRequest
+from jax_engine.models.demo import is_demo_model
 from jax_engine.models.registry import task_of
 
 
@@ -98,8 +98,8 @@ def is_random_weights(spec: ModelSpec) -> bool:
 def resolve(spec: ModelSpec, args: EngineArgs) -> ResolvedSpec:
     """Every setting of `spec`, pinned or inherited from `args`; reads the folder's config.json."""
     # heavy: jax (this module is imported by the CLI's argument parser, before any JAX work)
-    from jax_engine import backend
     from jax_engine.checkpoint.converted import converted_quantize
+    from jax_engine.executor import backend
 
     hf = None if spec.task else read_config(spec.path)
     task = spec.task or task_of(hf)

@@ -1,7 +1,7 @@
 """The engine: the served models, request admission and accounting, behind one async interface.
 
 The engine owns one worker per served model: a `GenerateWorker` (scheduler thread + paged KV
-cache, jax_engine/generate_worker.py) for decoders, an `EmbedWorker` for encoders. Workers run
+cache, jax_engine/decode/worker.py) for decoders, an `EmbedWorker` for encoders. Workers run
 on their own threads; results cross back to the asyncio loop only through
 `loop.call_soon_threadsafe`, so nothing else is shared between threads.
 """
@@ -34,10 +34,10 @@ from jax_engine.types import (
 )
 
 if TYPE_CHECKING:  # annotations only: the workers load heavy modules (jax, transformers)
-    from jax_engine.embed_worker import EmbedWorker
-    from jax_engine.generate_worker import GenerateWorker
-    from jax_engine.multihost import StepChannel
-    from jax_engine.runner import ModelRunner
+    from jax_engine.decode.runner import ModelRunner
+    from jax_engine.decode.worker import GenerateWorker
+    from jax_engine.encode.worker import EmbedWorker
+    from jax_engine.executor.multihost import StepChannel
 
     Worker = Union[GenerateWorker, EmbedWorker]
 
@@ -70,7 +70,7 @@ class Counters:
 class Engine:
     """Models, requests and stats. Construct, then `load_all()` (blocking), then serve.
 
-    `channel`: the multi-host step channel (jax_engine/multihost.py) when this process is one of
+    `channel`: the multi-host step channel (jax_engine/executor/multihost.py) when this process is one of
     several in a slice; the entry point that joined the slice passes it in.
     """
 
@@ -86,7 +86,7 @@ class Engine:
         # in-flight requests by id -> callable(message) that ends them with an explicit error
         self._inflight: dict[int, object] = {}
         self._inflight_ids = iter(range(1, 1 << 62))
-        from jax_engine.compilation import enable_persistent_cache, install_compile_listener  # heavy: jax
+        from jax_engine.executor.compilation import enable_persistent_cache, install_compile_listener  # heavy: jax
 
         install_compile_listener()
         self.compile_cache_dir = enable_persistent_cache(args.compile_cache_dir)
@@ -386,9 +386,9 @@ def _check_under_root(path: str, root: str) -> None:
 
 def _make_worker(spec: ResolvedSpec, args: EngineArgs, channel: Optional["StepChannel"]) -> "Worker":
     if spec.task == "generate":
-        from jax_engine.generate_worker import GenerateWorker  # heavy: jax, transformers
+        from jax_engine.decode.worker import GenerateWorker  # heavy: jax, transformers
 
         return GenerateWorker(spec, args, channel)
-    from jax_engine.embed_worker import EmbedWorker  # heavy: jax, transformers
+    from jax_engine.encode.worker import EmbedWorker  # heavy: jax, transformers
 
     return EmbedWorker(spec, args)

@@ -41,7 +41,7 @@ def model_root(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def demo_generator_path(model_root) -> str:
-    from jax_engine.demo_model import build_demo_generator
+    from jax_engine.models.demo import build_demo_generator
 
     return build_demo_generator(os.path.join(model_root, "demo-gen"))
 

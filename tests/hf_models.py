@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from jax_engine.demo_model import write_tokenizer
+from jax_engine.models.demo import write_tokenizer
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -29,10 +29,10 @@ from jax_engine.attention.cpu import CpuKernel
 from jax_engine.attention.pallas_gpu import PallasGPU
 from jax_engine.attention.pallas_tpu import PallasTPU
 from jax_engine.attention.reference import Reference
+from jax_engine.decode.rows import DecodeRow
 from jax_engine.errors import InvalidRequest
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig, StepInputs
-from jax_engine.rows import DecodeRow
 
 PS, NPAGES, KVH, G, D, L = 16, 12, 2, 2, 16, 2
 
@@ -242,7 +242,7 @@ def test_runner_programs_with_gpu_backend_match_reference():
     """ModelRunner's own prefill / decode / copy_page programs over each backend's KV layout."""
     import dataclasses
 
-    from jax_engine.runner import ModelRunner, RunnerConfig
+    from jax_engine.decode.runner import ModelRunner, RunnerConfig
 
     cfg, params = tiny_model(seed=3)
     got = {}
@@ -296,8 +296,8 @@ def test_auto_picks_by_platform():
 
 def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
     from frontends.cli import engine_args, parse_serve_args
-    from jax_engine import backend
     from jax_engine.config import EngineArgs
+    from jax_engine.executor import backend
     from tests.conftest import small_engine
 
     ns = parse_serve_args(["--attention-backend", "reference", "--model", f"g={tmp_path}"])

@@ -160,8 +160,8 @@ def test_resolve_rules():
 
 def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
     from frontends.cli import engine_args, parse_serve_args
-    from jax_engine import backend
     from jax_engine.config import EngineArgs
+    from jax_engine.executor import backend
     from tests.conftest import small_engine
 
     assert EngineArgs().cpu_matmul == "auto"

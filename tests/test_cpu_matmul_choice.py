@@ -211,7 +211,7 @@ def mixed_engine(tmp_path_factory):
 
 
 def test_mixed_plan_serves_the_reference_output(mixed_engine):
-    from jax_engine.parity import prompt_logits
+    from jax_engine.decode.parity import prompt_logits
     from jax_engine.types import GenerateRequest, SamplingParams
 
     model, engine = mixed_engine

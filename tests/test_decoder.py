@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.decode.parity import prompt_logits
 from jax_engine.engine import Engine
-from jax_engine.parity import prompt_logits
 from jax_engine.types import GenerateRequest, SamplingParams
 from tests import hf_models
 

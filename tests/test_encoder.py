@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from jax_engine.checkpoint.hf import CheckpointError
-from jax_engine.compilation import global_compile_count
 from jax_engine.config import EngineArgs, ModelSpec
-from jax_engine.embed_worker import EmbedWorker, EncoderBuckets, plan_groups
+from jax_engine.encode.worker import EmbedWorker, EncoderBuckets, plan_groups
 from jax_engine.errors import AlreadyExists, EngineError, InvalidRequest, NotFound, Overloaded, Unavailable
+from jax_engine.executor.compilation import global_compile_count
 from jax_engine.models import bert
 from jax_engine.types import EmbedOutput, EmbedRequest
 
@@ -259,7 +259,7 @@ def test_minilm_info(minilm_worker):
 def test_encoder_reports_one_device_and_warns_about_tp(bert_ce_dirs, caplog):
     """--tp / --replicas apply to decoders only: an encoder says so and reports what it runs on."""
     spec = ModelSpec(name="ce", path=bert_ce_dirs[1], tp=2, replicas=3)
-    with caplog.at_level("WARNING", logger="jax_engine.embed_worker"):
+    with caplog.at_level("WARNING", logger="jax_engine.encode.worker"):
         w = EmbedWorker(spec, EngineArgs(**TINY_ARGS))
     assert (w.info.tp, w.info.replicas) == (1, 1)
     assert "apply to decoders only" in caplog.text

@@ -158,5 +158,5 @@ def test_fronts_reach_the_engine_only_through_its_api():
 
 def test_the_old_circle_is_gone():
     # engine -> generate_worker -> multihost -> engine, before the channel was passed down
-    assert "jax_engine.multihost" in GRAPH["jax_engine.generate_worker"]
-    assert "jax_engine.engine" not in GRAPH["jax_engine.multihost"]
+    assert "jax_engine.executor.multihost" in GRAPH["jax_engine.decode.worker"]
+    assert "jax_engine.engine" not in GRAPH["jax_engine.executor.multihost"]

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from jax_engine.config import ModelSpec
+from jax_engine.decode.runner import MIRRORED, mirrored
 from jax_engine.engine import Engine
-from jax_engine.runner import MIRRORED, mirrored
 from tests import hf_models
 from tests.conftest import wait_for
 from tests.test_cli_e2e import xlaserve
@@ -154,7 +154,7 @@ class _Runner:
 
 
 def test_leader_publishes_each_device_call_and_follower_replays_it():
-    from jax_engine import multihost
+    from jax_engine.executor import multihost
 
     chan = _FakeChannel()
     leader_side, follower_side = _Runner(), _Runner()
@@ -169,7 +169,7 @@ def test_leader_publishes_each_device_call_and_follower_replays_it():
 
 
 def test_every_device_call_of_the_runner_is_mirrored():
-    from jax_engine.runner import ModelRunner
+    from jax_engine.decode.runner import ModelRunner
 
     assert set(MIRRORED) == {"decode", "prefill", "first_tokens", "prompt_logprobs", "copy_page", "set_slot",
                              "reset_state"}
@@ -179,7 +179,7 @@ def test_every_device_call_of_the_runner_is_mirrored():
 def test_published_calls_round_trip_exactly_and_are_not_pickle():
     import numpy as np
 
-    from jax_engine import multihost
+    from jax_engine.executor import multihost
 
     raw = np.random.default_rng(0).standard_normal(50).astype(np.float32)
     row = {"token": np.int32(7), "pages": [np.int64(1), 2], "sampling": {"temperature": 0.5, "bias": [(3, -1.5)],
@@ -199,8 +199,8 @@ def test_published_calls_round_trip_exactly_and_are_not_pickle():
 def test_typed_runner_rows_round_trip_as_their_types():
     import numpy as np
 
-    from jax_engine import multihost
-    from jax_engine.rows import DecodeRow, SamplingRow
+    from jax_engine.decode.rows import DecodeRow, SamplingRow
+    from jax_engine.executor import multihost
 
     row = DecodeRow(token=np.int32(7), position=3, kv_slot=11, pages=[np.int64(1), 2], slot_id=0,
                     sampling=SamplingRow(temperature=0.5, bias=[(3, -1.5)], seeds=2 ** 64 - 1, ban=[2]))
@@ -212,7 +212,7 @@ def test_typed_runner_rows_round_trip_as_their_types():
 
 
 def test_a_failed_replay_is_contained_like_the_leaders_step():
-    from jax_engine import multihost
+    from jax_engine.executor import multihost
 
     class Failing(_Runner):
         def decode(self, rows, greedy):
@@ -226,7 +226,7 @@ def test_a_failed_replay_is_contained_like_the_leaders_step():
 
 
 def test_follower_refuses_a_call_for_a_model_it_does_not_have():
-    from jax_engine import multihost
+    from jax_engine.executor import multihost
 
     chan = _FakeChannel()
     chan.log.append(("other/0", "decode", ([], True)))

@@ -71,7 +71,7 @@ def test_sglang_spaces_between_special_tokens_is_honoured_as_sglang_does(tok, tr
 def test_sglang_spaces_between_special_tokens_reaches_decode(serving_engine, tok):
     """The field travels into the engine request and the detokenizer hands it to the tokenizer's
     `decode` (where a slow tokenizer would insert or drop the spaces), as SGLang does."""
-    from jax_engine.detokenizer import IncrementalDetokenizer
+    from jax_engine.decode.detokenizer import IncrementalDetokenizer
 
     info = serving_engine.model_info(GEN)
     for spaces in (True, False):

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_engine import backend
 from jax_engine.errors import InvalidRequest
+from jax_engine.executor import backend
 
 
 @pytest.mark.parametrize("plat, want", [("cpu", jnp.float32), ("gpu", jnp.bfloat16), ("tpu", jnp.bfloat16)])
@@ -37,7 +37,7 @@ def test_the_real_platform_here_is_cpu():
 
 @pytest.fixture(scope="module")
 def demo_path(tmp_path_factory) -> str:
-    from jax_engine.demo_model import build_demo_generator
+    from jax_engine.models.demo import build_demo_generator
 
     return build_demo_generator(str(tmp_path_factory.mktemp("platform") / "demo"))
 

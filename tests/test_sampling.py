@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_engine import sampling as S
-from jax_engine.rows import SamplingRow
+from jax_engine.decode import sampling as S
+from jax_engine.decode.rows import SamplingRow
 
 BASE = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep_pen=1.0, freq_pen=0.0, pres_pen=0.0,
             seeds=0, steps=0, bias=[], ban=[])

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from jax_engine.config import EngineArgs, ModelSpec
-from jax_engine.demo_model import build_demo_generator, llama_config
+from jax_engine.decode.rows import SamplingRow
 from jax_engine.engine import Engine
 from jax_engine.errors import InvalidRequest, Overloaded
-from jax_engine.rows import SamplingRow
+from jax_engine.models.demo import build_demo_generator, llama_config
 from jax_engine.types import EmbedRequest, GenerateRequest, SamplingParams
 
 PS = 8
@@ -142,7 +142,7 @@ def test_penalties_match_transformers_processors():
     import torch
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from jax_engine import sampling
+    from jax_engine.decode import sampling
 
     rng = np.random.default_rng(0)
     V, R = 50, 3

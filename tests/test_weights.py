@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jax_engine.compilation import global_compile_count
 from jax_engine.config import ModelSpec
+from jax_engine.decode.worker import GenerateWorker
 from jax_engine.engine import Engine
 from jax_engine.errors import InvalidRequest, NotFound
-from jax_engine.generate_worker import GenerateWorker
+from jax_engine.executor.compilation import global_compile_count
 from tests import hf_models
 from tests.test_decoder import PROMPTS, engine_logits, greedy_all, small_args
 from weights_convert.convert import convert

@@ -19,9 +19,9 @@ def convert(src: str, dst: str, dtype: str = "float32", quantize: str = "none", 
     import jax
     from tqdm import tqdm
 
-    from jax_engine.backend import resolve_dtype
     from jax_engine.checkpoint.converted import write_converted
     from jax_engine.checkpoint.hf import CheckpointReader, read_config
+    from jax_engine.executor.backend import resolve_dtype
     from jax_engine.models.llama import LlamaConfig
     from jax_engine.models.llama_weights import load_hf_params
 

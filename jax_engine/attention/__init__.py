@@ -19,7 +19,8 @@ src, dst, page_size)`.
 `--attention-backend` (EngineArgs.attention_backend): `auto` = TPU -> pallas_tpu, GPU ->
 pallas_gpu, CPU -> cpu (tp 1 and the kernels built; else reference); `reference` forces the
 reference anywhere; `pallas` forces the platform's kernel and fails at start-up on CPU
-(interpret mode is for the tests only, far too slow to serve) or where the kernel does not support the model's shapes. The Pallas kernels are not
+(interpret mode is for the tests only, far too slow to serve) or where the kernel does not
+support the model's shapes. The Pallas kernels are not
 wrapped in shard_map yet, so with tensor parallelism (tp > 1) `auto` picks the reference and
 `pallas` is refused: a kernel custom call inside a GSPMD-partitioned program would gather the
 whole KV cache onto every device.
@@ -40,7 +41,7 @@ CHOICES = ("auto", "reference", "pallas")
 
 
 def _platform() -> str:
-    from jax_engine import backend  # the one place that names the platform (tests patch it)
+    from jax_engine.executor import backend  # the one place that names the platform (tests patch it)
 
     return backend.platform()
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engine import backend
 from jax_engine.checkpoint.hf import CheckpointError, CheckpointReader, read_config
+from jax_engine.executor import backend
 from jax_engine.models.registry import ARCHITECTURES, architecture_of
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {

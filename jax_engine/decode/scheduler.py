@@ -19,10 +19,10 @@ from typing import Optional
 
 import numpy as np
 
-from jax_engine.page_pool import PagePool, chain_hashes
-from jax_engine.rows import DecodeRow, SamplingRow
-from jax_engine.runner import ModelRunner
-from jax_engine.sequence import Request, SeqState, Sequence
+from jax_engine.decode.page_pool import PagePool, chain_hashes
+from jax_engine.decode.rows import DecodeRow, SamplingRow
+from jax_engine.decode.runner import ModelRunner
+from jax_engine.decode.sequence import Request, SeqState, Sequence
 from jax_engine.types import GenerateOutput, TokenLogprob
 
 log = logging.getLogger("xlaserve.scheduler")

@@ -20,20 +20,21 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from jax_engine import attention, backend
+from jax_engine import attention
 from jax_engine.checkpoint.hf import load_tokenizer, read_config
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
-from jax_engine.detokenizer import IncrementalDetokenizer
+from jax_engine.decode.detokenizer import IncrementalDetokenizer
+from jax_engine.decode.page_pool import PagePool
+from jax_engine.decode.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
+from jax_engine.decode.scheduler import Scheduler
+from jax_engine.decode.sequence import Request, Sequence
 from jax_engine.errors import AlreadyExists, Internal, InvalidRequest, Overloaded
+from jax_engine.executor import backend
+from jax_engine.executor.multihost import StepChannel
 from jax_engine.kernels import choose as cpu_matmul
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig
 from jax_engine.models.llama_weights import count_params, load_params
-from jax_engine.multihost import StepChannel
-from jax_engine.page_pool import PagePool
-from jax_engine.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
-from jax_engine.scheduler import Scheduler
-from jax_engine.sequence import Request, Sequence
 from jax_engine.types import (
     EmbedOutput,
     EmbedRequest,

@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from jax_engine.rows import ROW_TYPES
-from jax_engine.runner import MIRRORED
+from jax_engine.decode.rows import ROW_TYPES
+from jax_engine.decode.runner import MIRRORED
 
 log = logging.getLogger("xlaserve.multihost")
 

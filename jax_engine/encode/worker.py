@@ -31,11 +31,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jax_engine import backend
 from jax_engine.checkpoint.hf import load_tokenizer
-from jax_engine.compilation import ProgramCache, install_compile_listener
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import AlreadyExists, EngineError, Internal, InvalidRequest, Overloaded, Unavailable
+from jax_engine.executor import backend
+from jax_engine.executor.compilation import ProgramCache, install_compile_listener
 from jax_engine.models import bert
 from jax_engine.types import EmbedOutput, EmbedRequest, ModelInfo, ModelStats
 

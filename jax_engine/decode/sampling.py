@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engine.rows import SamplingRow
+from jax_engine.decode.rows import SamplingRow
 
 NEG_INF = -1e30
 

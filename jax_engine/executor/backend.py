@@ -9,7 +9,7 @@ An explicit `--dtype bfloat16` on CPU keeps the KV cache in float32 (`kv_dtype`)
 update a bfloat16 buffer in place inside the layer scan (one batch-1 step took ~170 ms, all in
 the cache writes, against 0.01 ms for float32).
 
-Encoders (jax_engine/embed_worker.py) keep their own rule: float32 on CPU, elsewhere the
+Encoders (jax_engine/encode/worker.py) keep their own rule: float32 on CPU, elsewhere the
 checkpoint's saved half dtype if it has one (bfloat16 / float16 -> bfloat16), else float32.
 """
 from __future__ import annotations

@@ -29,11 +29,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jax_engine import attention, backend, sampling
-from jax_engine.compilation import ProgramCache
+from jax_engine import attention
+from jax_engine.decode import sampling
+from jax_engine.decode.rows import DecodeRow, SamplingRow
+from jax_engine.executor import backend
+from jax_engine.executor.compilation import ProgramCache
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig, StepInputs
-from jax_engine.rows import DecodeRow, SamplingRow
 
 NUM_BIAS = 64     # static width of the sparse logit-bias arrays (a request may set up to this many)
 NUM_BAN = 16      # static width of the min_new_tokens ban list (EOS + stop token ids)

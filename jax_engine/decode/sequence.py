@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jax_engine.detokenizer import IncrementalDetokenizer
+from jax_engine.decode.detokenizer import IncrementalDetokenizer
 from jax_engine.types import GenerateOutput, SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
