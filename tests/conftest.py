@@ -9,17 +9,20 @@ Sections
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-import socket
-import threading
-import time
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
 
 import pytest
+
+from tests.helpers.shared import (
+    EMBED,
+    GEN,
+    HTTP_API_KEY,
+    HTTP_SMALL_BODY_LIMIT,
+    LoopThread,
+    start_grpc_server,
+    start_http_app,
+    stop_grpc_server,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -29,10 +32,6 @@ os.environ.setdefault("XLASERVE_PROGRESS", "0")
 # =============================================================================================
 # serving engine
 # =============================================================================================
-GEN = "gen"        # the random-weight demo decoder
-EMBED = "minilm"   # sentence-transformers/all-MiniLM-L6-v2
-
-
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory) -> str:
     """--model-root of the serving engine: AllSpark Build may only load folders under it."""
@@ -44,22 +43,6 @@ def demo_generator_path(model_root) -> str:
     from jax_engine.models.demo import build_demo_generator
 
     return build_demo_generator(os.path.join(model_root, "demo-gen"))
-
-
-@contextlib.contextmanager
-def small_engine(path: str, **engine_kw):
-    """A loaded (not warmed) engine serving `path` as model "m" with a small cache, shut down on
-    exit: for tests that check what flags resolve to, not for serving."""
-    from jax_engine.config import EngineArgs, ModelSpec
-    from jax_engine.engine import Engine
-
-    kw = dict(max_running_requests=2, max_num_batched_tokens=32, max_model_len=64, page_size=16, num_pages=8)
-    engine = Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], **{**kw, **engine_kw}))
-    try:
-        engine.load_all(progress=False, warmup=False)
-        yield engine
-    finally:
-        engine.shutdown(timeout=2.0)
 
 
 @pytest.fixture(scope="session")
@@ -86,67 +69,14 @@ def serving_engine(demo_generator_path, minilm_path, model_root):
     engine.shutdown(timeout=2.0)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
-    """Poll until `predicate()` holds (True) or the timeout passes (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
 # =============================================================================================
 # server loop: grpc.aio + uvicorn on a background event loop
 # =============================================================================================
-class LoopThread:
-    """An asyncio loop on its own thread; `run(coro)` blocks the caller until it completes."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable[Any], timeout: Optional[float] = 60.0) -> Any:
-        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture(scope="session")
 def server_loop():
     lt = LoopThread()
     yield lt
     lt.close()
-
-
-@dataclass
-class GrpcServer:
-    server: Any
-    addresses: list[str]
-
-    @property
-    def target(self) -> str:
-        return self.addresses[0]
-
-
-def start_grpc_server(loop: LoopThread, engine, **kwargs) -> GrpcServer:
-    """Build and start frontends.grpc.server on a free port inside the server loop."""
-    from frontends.grpc.server import build_grpc_server
-
-    async def start() -> GrpcServer:
-        server, addresses = build_grpc_server(engine, host="127.0.0.1", port=0, **kwargs)
-        await server.start()
-        return GrpcServer(server, addresses)
-
-    return loop.run(start())
-
-
-def stop_grpc_server(loop: LoopThread, srv: GrpcServer) -> None:
-    loop.run(srv.server.stop(0.5))
 
 
 @pytest.fixture(scope="session")
@@ -194,34 +124,6 @@ def mirror_url(server_loop, serving_engine):
 # =============================================================================================
 # HTTP app (frontends/http/app.py): the full app on uvicorn over the shared serving engine
 # =============================================================================================
-HTTP_API_KEY = "test-http-key"
-HTTP_SMALL_BODY_LIMIT = 4096
-
-
-def start_http_app(loop: LoopThread, app) -> tuple[str, Callable[[], None]]:
-    """Serve `app` with uvicorn on a free 127.0.0.1 port inside the server loop; (url, stop)."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    holder: dict[str, Any] = {}
-
-    async def start() -> None:
-        holder["task"] = asyncio.ensure_future(server.serve(sockets=[sock]))
-
-    loop.run(start())
-    assert wait_for(lambda: server.started, 20), "uvicorn did not start"
-
-    def stop() -> None:
-        server.should_exit = True
-        wait_for(lambda: holder["task"].done(), 10)
-        sock.close()
-
-    return f"http://127.0.0.1:{port}", stop
-
-
 @pytest.fixture(scope="session")
 def http_app(serving_engine):
     """The full HTTP app (OpenAI routes, JSON mirror, probes, metrics), no key."""

@@ -31,8 +31,8 @@ from frontends.common.errors import HTTP_BY_GRPC, code_name, error_body, error_m
 from frontends.common.metrics import ServerMetrics
 from frontends.common.version import package_version
 from frontends.http.mirror import add_mirror_routes
-from frontends.http.openai import field_error, openai_error_body
 from frontends.http.openai import router as openai_router
+from frontends.http.openai_schema import field_error, openai_error_body
 from jax_engine.api import EngineAPI
 from jax_engine.errors import EngineError, Unauthenticated
 

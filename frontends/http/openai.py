@@ -1,9 +1,9 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings.
 
-The request models are strict (`extra="forbid"`): a field we do not implement is refused with a
-400 that names it instead of being dropped. Fields OpenAI defines that we only accept at their
-neutral value (`echo`, `suffix`, `best_of`, `tools`, `response_format`, ...) are declared so the
-client may send the neutral value, and anything else is refused by `_refuse_unsupported`.
+The request models (openai_schema.py) are strict: a field we do not implement is refused with a
+400 that names it. Fields OpenAI defines that we only accept at their neutral value (`echo`,
+`suffix`, `best_of`, `tools`, `response_format`, ...) are declared so the client may send the
+neutral value, and anything else is refused by `_refuse_unsupported`.
 
 Every route reads the engine from `request.app.state.engine` (several apps may live in one
 process). Engine errors propagate to the app's exception handlers, which format them with
@@ -19,15 +19,24 @@ import re
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 import anyio
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from frontends.common.errors import code_name, error_message, grpc_code, http_status
+from frontends.http.openai_schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    EmbeddingRequest,
+    SamplingFields,
+    field_error,
+    openai_error_body,
+)
 from jax_engine.api import TOKENIZE_INLINE_CHARS, EngineAPI, Tokenizer
 from jax_engine.errors import (
     AlreadyExists,
@@ -41,126 +50,6 @@ from jax_engine.errors import (
     Unavailable,
 )
 from jax_engine.types import EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
-
-# ----------------------------------------------------------------------------- error envelope
-
-# OpenAI's `error.type` per HTTP status (the engine-error -> status mapping lives in
-# frontends/common/errors.py; this only names the status the way OpenAI clients expect).
-_ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-}
-
-
-def openai_error_body(status: int, message: str, *, param: Optional[str] = None,
-                      code: Optional[str] = None) -> dict[str, Any]:
-    """`{"error": {"message", "type", "param", "code"}}` as OpenAI returns it."""
-    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "internal_error"
-                                                                  if status >= 500 else "invalid_request_error"),
-                      "param": param, "code": code}}
-
-
-def field_error(param: Optional[str], message: str) -> InvalidRequest:
-    """InvalidRequest that also carries the OpenAI `param` (the offending field)."""
-    err = InvalidRequest(message)
-    err.param = param  # type: ignore[attr-defined]
-    return err
-
-
-# ----------------------------------------------------------------------------- request models
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model: Optional[str] = Field(None, description="served model name; omitted = the default generation model")
-    n: int = Field(1, ge=1, description="sequences per prompt")
-    temperature: Optional[float] = Field(None, ge=0, le=2, description="0 = greedy; default 1")
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64,
-                                description="int64 as in OpenAI (negatives are read as two's complement, "
-                                            "seed mod 2^64) or any unsigned 64-bit value")
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = Field(None, description="accepted for compatibility; not used")
-    # vLLM / SGLang extensions
-    top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 = off")
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(None, gt=0)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1, description="OpenAI default 16; null = up to the context")
-    logprobs: Optional[int] = Field(None, ge=0, description="top-N alternatives per token")
-    echo: bool = False
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
-
-
-class TextPart(BaseModel):
-    """A content part. Extra keys are kept (not forbidden) so that a non-text part is refused by
-    its `type` first; `_message_text` then refuses any unknown key of a text part by name."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: Optional[str] = None
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
-    tool_call_id: Optional[str] = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: Optional[int] = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0)
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, str]] = None
-    service_tier: Optional[str] = None
-    modalities: Optional[list[str]] = None
-
-
-class EmbeddingRequest(_Strict):
-    input: Union[str, list[str], list[int], list[list[int]]]
-    model: Optional[str] = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = Field(None, ge=1)
-    user: Optional[str] = Field(None, description="accepted for compatibility; not used")
-
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -249,7 +138,7 @@ def _check_max_tokens_pair(body: ChatCompletionRequest) -> None:
                                         f"({body.max_completion_tokens}) differ; send only max_completion_tokens")
 
 
-def _sampling_params(engine: EngineAPI, body: _SamplingFields, *, max_tokens: Optional[int],
+def _sampling_params(engine: EngineAPI, body: SamplingFields, *, max_tokens: Optional[int],
                      logprobs: bool, top_logprobs: int, top_logprobs_field: str) -> SamplingParams:
     # The engine validates every limit again (n, stop strings, stop ids, ...) and names those
     # fields itself; checked here are the fields whose OpenAI names differ from the engine's.
@@ -687,7 +576,7 @@ class _Shape:
         return item
 
 
-def _engine_field_names(body: _SamplingFields) -> dict[str, str]:
+def _engine_field_names(body: SamplingFields) -> dict[str, str]:
     """Engine field name -> the name this route's request uses for it."""
     if isinstance(body, ChatCompletionRequest):
         max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -708,7 +597,7 @@ def _openai_field_error(err: InvalidRequest, renames: dict[str, str]) -> Invalid
     return field_error(renames.get(field, field), message)
 
 
-async def _respond(request: Request, engine: EngineAPI, reqs: list[GenerateRequest], body: _SamplingFields, shape: _Shape,
+async def _respond(request: Request, engine: EngineAPI, reqs: list[GenerateRequest], body: SamplingFields, shape: _Shape,
                    *, rid: str, model: str) -> Response:
     """Run the generation and answer as one JSON body or as an SSE stream."""
     gen = _Generation(engine, reqs, body.n)

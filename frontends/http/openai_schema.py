@@ -1,0 +1,133 @@
+"""The OpenAI wire schema: the error envelope and the strict request models of /v1/completions,
+/v1/chat/completions and /v1/embeddings (openai.py serves them).
+
+Strict (`extra="forbid"`): a field we do not implement is refused with a 400 that names it
+instead of being dropped; fields OpenAI defines that we accept only at their neutral value are
+declared here and checked by the routes.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jax_engine.errors import InvalidRequest
+
+# ----------------------------------------------------------------------------- error envelope
+
+# OpenAI's `error.type` per HTTP status (the engine-error -> status mapping lives in
+# frontends/common/errors.py; this only names the status the way OpenAI clients expect).
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+def openai_error_body(status: int, message: str, *, param: Optional[str] = None,
+                      code: Optional[str] = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}` as OpenAI returns it."""
+    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "internal_error"
+                                                                  if status >= 500 else "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def field_error(param: Optional[str], message: str) -> InvalidRequest:
+    """InvalidRequest that also carries the OpenAI `param` (the offending field)."""
+    err = InvalidRequest(message)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+# ----------------------------------------------------------------------------- request models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = Field(None, description="served model name; omitted = the default generation model")
+    n: int = Field(1, ge=1, description="sequences per prompt")
+    temperature: Optional[float] = Field(None, ge=0, le=2, description="0 = greedy; default 1")
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64,
+                                description="int64 as in OpenAI (negatives are read as two's complement, "
+                                            "seed mod 2^64) or any unsigned 64-bit value")
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = Field(None, description="accepted for compatibility; not used")
+    # vLLM / SGLang extensions
+    top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 = off")
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1, description="OpenAI default 16; null = up to the context")
+    logprobs: Optional[int] = Field(None, ge=0, description="top-N alternatives per token")
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class TextPart(BaseModel):
+    """A content part. Extra keys are kept (not forbidden) so that a non-text part is refused by
+    its `type` first; `_message_text` then refuses any unknown key of a text part by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+
+
+class EmbeddingRequest(_Strict):
+    input: Union[str, list[str], list[int], list[list[int]]]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(None, ge=1)
+    user: Optional[str] = Field(None, description="accepted for compatibility; not used")

@@ -1,0 +1,195 @@
+"""The C++ CPU kernels (jax_engine/kernels/cpu.cc) against NumPy and the reference attention.
+
+The served decoder on CPU uses them (--cpu-matmul auto where they measure faster, or kernel;
+--attention-backend auto), and tests/engine/test_decoder.py's transformers parity runs through them too; here each kernel is
+pinned down on awkward shapes: ragged output columns, odd K, stacked layers, rows of different lengths,
+shuffled pages, GQA, sliding windows, a padding row, a head size that is not a multiple of 16.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_engine.attention.cpu import CpuKernel
+from jax_engine.attention.reference import Reference
+from jax_engine.errors import InvalidRequest
+from jax_engine.kernels import cpu as K
+
+
+def test_kernels_build_on_this_machine():
+    # CI runs on a machine like this one (gcc present): the fast path must not silently vanish
+    assert K.available(), K.reason()
+    lib = K._build()
+    mtime = os.path.getmtime(lib)
+    assert K._build() == lib and os.path.getmtime(lib) == mtime      # cached, not rebuilt
+
+
+@pytest.mark.parametrize("M,K_,N,L", [(1, 64, 64, 1), (5, 3, 100, 2), (16, 300, 1287, 3), (33, 96, 64 * 3 + 1, 1),
+                                      (7, 1, 5, 1), (400, 20, 130, 2)])      # M > 384: row chunks
+def test_gemm_matches_numpy(M, K_, N, L):
+    rng = np.random.default_rng(M * 1000 + N)
+    w = rng.standard_normal((L, K_, N), dtype=np.float32)
+    x = rng.standard_normal((M, K_), dtype=np.float32)
+    packed = K.pack(jnp.asarray(w), 1, stacked=True)
+    assert packed.shape == (L, K.num_panels(N), K_, K.PANEL)
+    f = jax.jit(lambda x, w, li: K.gemm(x, w, li, N))
+    for li in range(L):
+        got = np.asarray(f(jnp.asarray(x), packed, li))
+        want = x.astype(np.float64) @ w[li].astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(K_))
+        np.testing.assert_allclose(K.reference_gemm(x, np.asarray(packed), li, N), want, rtol=1e-6, atol=1e-5)
+
+
+def test_int8_gemm_matches_numpy():
+    from jax_engine.models.llama_weights import quantize_int8
+
+    rng = np.random.default_rng(11)
+    L, K_, N = 2, 96, 200
+    w = rng.standard_normal((L, K_, N), dtype=np.float32)
+    q, s = zip(*(quantize_int8(w[i], (0,)) for i in range(L)))            # per-output-column scales [1, N]
+    weight = {"q": jnp.asarray(np.stack(q)), "s": jnp.asarray(np.stack(s))}
+    packed = K.pack(weight, 1, stacked=True)
+    assert packed["q"].dtype == jnp.int8 and packed["s"].shape == (L, K.num_panels(N) * K.PANEL)
+    for M in (1, 7, 16):
+        x = rng.standard_normal((M, K_), dtype=np.float32)
+        for li in range(L):
+            got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(jnp.asarray(x), packed))
+            want = x.astype(np.float64) @ (np.stack(q)[li].astype(np.float64) * np.stack(s)[li])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(K.reference_gemm(x, packed, li, N), want, rtol=1e-6, atol=1e-5)
+
+
+def test_bfloat16_gemm_matches_numpy():
+    rng = np.random.default_rng(12)
+    L, K_, N = 2, 80, 150
+    w = jnp.asarray(rng.standard_normal((L, K_, N), dtype=np.float32)).astype(jnp.bfloat16)
+    packed = K.pack(w, 1, stacked=True)
+    assert packed.dtype == jnp.bfloat16
+    wf = np.asarray(w.astype(jnp.float32)).astype(np.float64)
+    for M in (1, 6, 9):
+        x = jnp.asarray(rng.standard_normal((M, K_), dtype=np.float32)).astype(jnp.bfloat16)
+        for li in range(L):
+            got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(x, packed))
+            want = np.asarray(x.astype(jnp.float32)).astype(np.float64) @ wf[li]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(K.reference_gemm(np.asarray(x.astype(jnp.float32)), packed, li, N), want,
+                                       rtol=1e-6, atol=1e-5)
+
+
+def test_linear_keeps_structured_shapes():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2, 4, 3, 8, 24), dtype=np.float32)            # [L, KVH, G, D, H], 3 contraction dims
+    x = rng.standard_normal((2, 5, 4, 3, 8), dtype=np.float32)             # [B, T, KVH, G, D]
+    packed = K.pack(jnp.asarray(w), 3, stacked=True)
+    got = np.asarray(jax.jit(lambda x, w: K.linear(x, w, 1, 3, (24,)))(jnp.asarray(x), packed))
+    np.testing.assert_allclose(got, np.einsum("btkgd,kgdh->bth", x, w[1]), rtol=1e-5, atol=1e-4)
+    head = rng.standard_normal((16, 70), dtype=np.float32)                 # unstacked [K, N]
+    ph = K.pack(jnp.asarray(head), 1, stacked=False)
+    got = np.asarray(K.linear(jnp.asarray(x[0, :, 0, 0, :]).repeat(2, -1), ph, 0, 1, (70,)))
+    np.testing.assert_allclose(got, x[0, :, 0, 0, :].repeat(2, -1) @ head, rtol=1e-5, atol=1e-4)
+    for k_dims, tail in ((3, (100,)), (2, (24,))):      # too many panels; wrong contraction size
+        with pytest.raises(ValueError, match="does not fit"):
+            K.linear(jnp.asarray(x), packed, 0, k_dims, tail)
+
+
+def _attention_case(D: int, G: int, window: int, seed: int):
+    """Rows of lengths 37, 5, 16, 0 (padding), 130 on shuffled pages; returns inputs of both backends."""
+    rng = np.random.default_rng(seed)
+    L, kvh, ps, num_pages = 2, 2, 8, 64
+    lens = np.array([37, 5, 16, 0, 130], np.int32)
+    B, Pn = len(lens), 17
+    perm = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((B, Pn), np.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        k = -(-int(n) // ps)
+        table[b, :k] = perm[used:used + k]
+        used += k
+    kc = rng.standard_normal((L, num_pages * ps, kvh, D), dtype=np.float32)
+    vc = rng.standard_normal((L, num_pages * ps, kvh, D), dtype=np.float32)
+    q = rng.standard_normal((B, 1, kvh, G, D), dtype=np.float32)
+    pos = np.maximum(lens - 1, 0)[:, None].astype(np.int32)
+    cfg = type("Cfg", (), {"sliding_window": window or None, "head_dim": D, "num_kv_heads": kvh, "kv_repeat": 1})()
+    inp = type("Inp", (), {"tokens": jnp.zeros((B, 1), jnp.int32), "positions": jnp.asarray(pos),
+                           "slots": jnp.zeros((B, 1), jnp.int32), "page_table": jnp.asarray(table),
+                           "kv_lens": jnp.asarray(lens)})()
+    return cfg, inp, ps, jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), lens
+
+
+@pytest.mark.parametrize("D,G,window", [(64, 3, 0), (24, 2, 0), (16, 1, 9), (80, 4, 1000)])
+def test_decode_attention_matches_reference(D, G, window):
+    cfg, inp, ps, q, kc, vc, lens = _attention_case(D, G, window, seed=D + G)
+    ref, cpu = Reference(), CpuKernel()
+    for li in (0, 1):
+        want = np.asarray(ref.attend(q, kc, vc, jnp.int32(li), ref.prepare(cfg, inp, ps)))
+        got = np.asarray(jax.jit(lambda q, kc, vc: cpu.attend(q, kc, vc, jnp.int32(li), cpu.prepare(cfg, inp, ps)))(q, kc, vc))
+        valid = lens > 0
+        np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=2e-6)
+        assert np.all(got[~valid] == 0)                 # a padding row attends to nothing
+
+
+def test_prefill_chunks_keep_the_reference_math():
+    # Tq > 1 goes through the reference's masked softmax unchanged (same function, same result)
+    cfg, inp, ps, q, kc, vc, lens = _attention_case(32, 2, 0, seed=5)
+    q2 = jnp.concatenate([q, q * 0.5], axis=1)
+    inp.positions = jnp.concatenate([inp.positions - 1, inp.positions], axis=1).clip(0)
+    ref, cpu = Reference(), CpuKernel()
+    a = ref.attend(q2, kc, vc, jnp.int32(1), ref.prepare(cfg, inp, ps))
+    b = cpu.attend(q2, kc, vc, jnp.int32(1), cpu.prepare(cfg, inp, ps))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_resolve_rules():
+    # resolve says where the kernel may run; with auto, choose.py then measures (test_cpu_matmul_choice.py)
+    assert K.resolve("auto", "cpu", jnp.float32, "none", 1) == "kernel"
+    assert K.resolve("auto", "cpu", jnp.float32, "int8", 1) == "kernel"
+    assert K.resolve("auto", "cpu", jnp.bfloat16, "none", 1) == "kernel"
+    assert K.resolve("xla", "cpu", jnp.float32, "none", 1) == "xla"
+    for plat, dt, quant, tp in (("gpu", jnp.float32, "none", 1), ("cpu", jnp.float16, "none", 1),
+                                ("cpu", jnp.float32, "int4", 1), ("cpu", jnp.float32, "none", 2)):
+        assert K.resolve("auto", plat, dt, quant, tp) == "xla"
+        with pytest.raises(InvalidRequest, match="--cpu-matmul kernel"):
+            K.resolve("kernel", plat, dt, quant, tp)
+    with pytest.raises(InvalidRequest):
+        K.resolve("mkl", "cpu", jnp.float32, "none", 1)
+
+
+def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
+    from frontends.cli import engine_args, parse_serve_args
+    from jax_engine.config import EngineArgs
+    from jax_engine.executor import backend
+    from tests.helpers.engines import small_engine
+
+    assert EngineArgs().cpu_matmul == "auto"
+    assert engine_args(parse_serve_args(["--cpu-matmul", "xla", "--model", f"g={tmp_path}"])).cpu_matmul == "xla"
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--cpu-matmul", "mkl"])
+    from jax_engine.kernels import choose
+
+    def timer(kernel_s):         # auto measures (choose.py): a deterministic fake timer stands in
+        return lambda case, m, runs: {"xla": 1e-3, "kernel": kernel_s, **({"blas": 5e-3} if "blas" in runs else {})}
+
+    for i, (choice, dtype, want, kernel_s) in enumerate((
+            ("auto", "float32", "kernel", 0.5e-3), ("xla", "float32", "xla", None), ("auto", "bfloat16", "kernel", 0.5e-3),
+            ("auto", "float32", "xla", 2e-3), ("kernel", "float32", "kernel", 2e-3), ("blas", "float32", "blas", None))):
+        monkeypatch.setattr(choose, "default_timer", timer(kernel_s))
+        monkeypatch.setattr(choose, "decision_dir", lambda i=i: str(tmp_path / f"decisions{i}"))
+        with small_engine(demo_generator_path, dtype=dtype, cpu_matmul=choice) as engine:
+            worker = engine.worker("m")
+            runner = worker.replicas[0].runner
+            assert worker.cfg.matmul == want
+            qkv = runner.params["layers"]["qkv"]
+            assert (qkv.ndim == 4 and qkv.shape[-1] == K.PANEL) == (want == "kernel")
+            # XLA:CPU cannot update a bfloat16 cache in place in the layer scan: CPU keeps KV in float32
+            c = runner.cfg
+            assert runner.state["k"].dtype == jnp.float32
+            assert runner.kv_bytes_per_page() == 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4
+            assert worker.cfg.attention_backend == "cpu"
+    monkeypatch.setattr(backend, "platform", lambda: "gpu")      # a CPU kernel on a GPU: refused
+    with pytest.raises(InvalidRequest, match="--cpu-matmul kernel"):
+        with small_engine(demo_generator_path, dtype="float32", cpu_matmul="kernel"):
+            pass

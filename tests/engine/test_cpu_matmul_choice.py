@@ -1,0 +1,262 @@
+"""--cpu-matmul auto: the measured choice between XLA's dot and the packed-panel kernel
+(jax_engine/kernels/choose.py).
+
+Timings are injected (deterministic fake timers that never run the programs), so nothing here
+depends on wall-clock speed: the tests pin down the rule (faster path wins, a second layout only
+when each path wins by more than 10%), the decision cache (a second resolution times nothing),
+forcing, and that a served model with a mixed plan (every combination of layouts) still matches
+transformers with zero compilations after warmup.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_engine.kernels import choose as C
+from jax_engine.kernels import cpu as K
+from jax_engine.models import llama
+from jax_engine.models.llama import LlamaConfig
+from tests.helpers import hf_models
+
+D, T = 4, 64          # decode rows (--max-running-requests) and prefill chunk (--max-num-batched-tokens)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, architectures=["LlamaForCausalLM"])
+
+
+class FakeTimer:
+    """Seconds per call from table(weight, m) -> (xla, kernel) or (xla, kernel, blas); the library
+    sgemm, where it is timed (float32 prefill points), is 10x XLA unless the table says otherwise.
+    Counts the points it was asked for."""
+
+    def __init__(self, table):
+        self.table, self.calls = table, []
+
+    def __call__(self, case, m, runs):
+        assert {"xla", "kernel"} <= set(runs) <= {"xla", "kernel", "blas"}
+        assert ("blas" in runs) == (case.blas and m > D), "the library sgemm is timed at float32 prefill rows only"
+        self.calls.append((case.weight, m))
+        got = self.table(case.weight, m)
+        out = {"xla": got[0], "kernel": got[1]}
+        if "blas" in runs:
+            out["blas"] = got[2] if len(got) > 2 else 10 * got[0]
+        return out
+
+
+@pytest.fixture
+def decisions(tmp_path, monkeypatch):
+    """An empty decision cache for this test (the kernel build itself stays where it is)."""
+    assert K.available(), K.reason()
+    monkeypatch.setattr(C, "decision_dir", lambda: str(tmp_path))
+    return tmp_path
+
+
+def _cases(dtype=jnp.float32, quantize="none", **kw):
+    return C.cases(LlamaConfig.from_hf({**TINY, **kw}), dtype, quantize, D, T)
+
+
+def test_cases_cover_every_matrix_and_class():
+    cs = {c.weight: c for c in _cases()}
+    assert set(cs) == set(llama.MATRICES)
+    assert cs["qkv"].points == (1, D, T) and cs["lm_head"].points == (1, D)     # the head: decode rows only
+    assert cs["qkv"].k_dims == (64,) and cs["qkv"].out_dims == (2, 4, 16) and cs["o"].k_dims == (2, 2, 16)
+    assert cs["down"].k == 128 and cs["gate_up"].n == 256 and cs["lm_head"].n == 512
+    q = {c.weight: c for c in _cases(quantize="int8", tie_word_embeddings=True)}
+    assert q["qkv"].int8 and q["qkv"].itemsize == 1 and not q["lm_head"].int8 and q["lm_head"].tied
+
+
+@pytest.mark.parametrize("slow", ["kernel", "xla"])
+def test_the_faster_path_wins_everywhere(decisions, slow):
+    timer = FakeTimer(lambda w, m: (3e-3, 1e-3) if slow == "xla" else (1e-3, 3e-3))
+    plan = C.choose(_cases(), D, timer=timer)
+    fast = "kernel" if slow == "xla" else "xla"
+    assert plan.mode == fast and plan.source == "measured"
+    assert all(rs == ((C.UNBOUNDED, fast),) for _, rs in plan.routes)
+    assert sorted(timer.calls) == sorted((c.weight, m) for c in _cases() for m in c.points)
+    assert {r["shape_class"] for r in plan.summary()} == {"all"}
+
+
+def test_mixed_routes_and_the_memory_margin(decisions):
+    def table(w, m):
+        if w == "qkv":          # the kernel wins decode by 2x, XLA prefill by 2x: both layouts
+            return (2e-3, 1e-3) if m <= D else (1e-3, 2e-3)
+        if w == "o":            # XLA wins prefill by only 5%: not worth a second layout, the kernel everywhere
+            return (2e-3, 1e-3) if m <= D else (1.0e-3, 1.05e-3)
+        if w == "gate_up":      # the kernel wins decode by 5% only: XLA everywhere
+            return (1.05e-3, 1e-3) if m <= D else (1e-3, 2e-3)
+        if w == "down":         # a crossover inside decode: the kernel at M=1, XLA from M=D on
+            return (2e-3, 1e-3) if m == 1 else (1e-3, 2e-3)
+        return (1e-3, 1e-3) if m == 1 else (1e-3, 2e-3)     # lm_head: a tie is XLA's
+    plan = C.choose(_cases(), D, timer=FakeTimer(table))
+    routes = dict(plan.routes)
+    assert routes["qkv"] == ((D, "kernel"), (C.UNBOUNDED, "xla"))
+    assert routes["o"] == ((C.UNBOUNDED, "kernel"),)
+    assert routes["gate_up"] == ((C.UNBOUNDED, "xla"),)
+    assert routes["down"] == ((2, "kernel"), (C.UNBOUNDED, "xla"))     # the power of two nearest sqrt(1 * 4)
+    assert routes["lm_head"] == ((C.UNBOUNDED, "xla"),)
+    assert plan.mode == "mixed" and plan.layouts("qkv") == {"xla", "kernel"} and plan.layouts("o") == {"kernel"}
+    assert [plan.path("qkv", m) for m in (1, D, D + 1, 10 ** 6)] == ["kernel", "kernel", "xla", "xla"]
+    rows = {(r["weight"], r["shape_class"]): r for r in plan.summary()}
+    assert rows[("qkv", "decode")]["path"] == "kernel" and rows[("qkv", "prefill")]["path"] == "xla"
+    assert rows[("down", "M<=2")]["path"] == "kernel" and rows[("down", "M>2")]["path"] == "xla"
+    t = rows[("qkv", "decode")]["timings_ms"][1]                        # per layer of the timed stack (2 here)
+    assert t == {"xla": 1.0, "kernel": 0.5}
+
+
+def test_the_decision_is_cached_and_reused(decisions):
+    first = FakeTimer(lambda w, m: (2e-3, 1e-3))
+    plan = C.choose(_cases(), D, timer=first)
+    assert first.calls and len(list(decisions.glob("matmul-*.json"))) == 1
+    again = FakeTimer(lambda w, m: (1e-3, 2e-3))        # would pick XLA, were it asked
+    cached = C.choose(_cases(), D, timer=again)
+    assert again.calls == [] and cached == plan and cached.source == "cached"
+    assert cached.timings == plan.timings
+    other = FakeTimer(lambda w, m: (1e-3, 2e-3))        # other shapes (or dtype): timed anew, cached apart
+    assert C.choose(_cases(dtype=jnp.bfloat16), D, timer=other).mode == "xla" and other.calls
+    assert len(list(decisions.glob("matmul-*.json"))) == 2
+
+
+def test_forcing_never_times(decisions, monkeypatch):
+    timer = FakeTimer(lambda w, m: pytest.fail("a forced path must not be timed"))
+    cfg = LlamaConfig.from_hf(TINY)
+    for choice in ("xla", "kernel"):
+        got = C.configure(choice, cfg, "cpu", jnp.float32, "none", 1, decode_rows=D, prefill_tokens=T, timer=timer)
+        assert got.matmul == choice and got.matmul_plan is None
+    got = C.configure("auto", cfg, "gpu", jnp.float32, "none", 1, decode_rows=D, prefill_tokens=T, timer=timer)
+    assert got.matmul == "xla" and got.matmul_plan is None             # auto off CPU: XLA, nothing timed
+    got = C.configure("auto", cfg, "cpu", jnp.float32, "none", 2, decode_rows=D, prefill_tokens=T, timer=timer)
+    assert got.matmul == "xla"                                          # tp 2: XLA, nothing timed
+    assert timer.calls == []
+    auto = C.configure("auto", cfg, "cpu", jnp.float32, "none", 1, decode_rows=D, prefill_tokens=T,
+                       timer=FakeTimer(lambda w, m: (2e-3, 1e-3)))
+    assert auto.matmul == "kernel" and auto.matmul_plan is not None and auto.matmul_plan.mode == "kernel"
+
+
+def test_real_timer_measures_both_paths():
+    # the default timer runs both compiled programs (no assertion on which is faster)
+    case = next(c for c in _cases() if c.weight == "down")
+    pt = C._Point(case, 2, D)
+    got = C.wall_timer(case, 2, {p: pt.runner(p) for p in pt.paths})
+    assert set(got) == {"xla", "kernel"} and all(v > 0 for v in got.values())
+    assert K.blas_available(), K.blas_reason()           # numpy's wheel ships an OpenBLAS
+    pre = C._Point(case, T, D)                            # a float32 prefill point: the library sgemm too
+    got = C.wall_timer(case, T, {p: pre.runner(p) for p in pre.paths})
+    assert set(got) == {"xla", "kernel", "blas"} and all(v > 0 for v in got.values())
+
+
+def test_the_library_sgemm_wins_only_by_a_margin(decisions):
+    def table(w, m):
+        if m <= D:
+            return (2e-3, 1e-3)                            # the kernel at decode rows
+        if w == "qkv":
+            return (3e-3, 4e-3, 1e-3)                      # sgemm 3x faster than XLA at prefill rows
+        if w == "o":
+            return (1.0e-3, 4e-3, 0.95e-3)                 # sgemm 5% faster: not enough (its own threads)
+        return (1e-3, 4e-3, 5e-3)                          # sgemm slower
+    plan = C.choose(_cases(), D, timer=FakeTimer(table))
+    routes = dict(plan.routes)
+    assert routes["qkv"] == ((D, "kernel"), (C.UNBOUNDED, "blas"))
+    assert routes["o"] == ((D, "kernel"), (C.UNBOUNDED, "xla"))
+    assert plan.layouts("qkv") == {"kernel", "xla"}        # the sgemm reads XLA's layout: no third copy
+    t = next(t for t in plan.timings if t.weight == "qkv" and t.m == T)
+    assert t.blas_s is not None and t.blas_s < t.xla_s
+    assert [c for c in _cases(dtype=jnp.bfloat16) if c.blas] == []          # float32 only
+    assert [c for c in _cases(quantize="int8") if c.blas] == []
+
+
+def test_the_library_sgemm_matches_einsum():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 4, 6, 40)).astype(np.float32)                # [L, K..., N]
+    x = rng.standard_normal((2, 5, 4, 6)).astype(np.float32)
+    y = jax.jit(lambda x, w, li: K.blas_linear(x, w, li, 2))(x, w, 2)
+    np.testing.assert_allclose(np.asarray(y), np.einsum("btkd,kdn->btn", x, w[2]), rtol=1e-5, atol=1e-5)
+    e = rng.standard_normal((50, 24)).astype(np.float32)                     # a tied head: [V, H], transposed
+    h = rng.standard_normal((3, 24)).astype(np.float32)
+    y = jax.jit(lambda h, e: K.blas_gemm(h, e[None], 0, trans_b=True))(h, e)
+    np.testing.assert_allclose(np.asarray(y), h @ e.T, rtol=1e-5, atol=1e-5)
+
+
+def _mixed_table(w, m):
+    """Every layout combination: qkv both (kernel at decode), o kernel only, gate_up XLA's layout
+    only (XLA at decode, the library sgemm at prefill), down both (kernel at M <= 2), lm_head both
+    (kernel at M <= 2)."""
+    if w == "gate_up" and m > D:
+        return (1e-3, 2e-3, 0.5e-3)
+    kernel_wins = {"qkv": m <= D, "o": True, "gate_up": False, "down": m <= 2, "lm_head": m <= 2}[w]
+    return (2e-3, 1e-3) if kernel_wins else (1e-3, 2e-3)
+
+
+@pytest.fixture(scope="module")
+def mixed_engine(tmp_path_factory):
+    from jax_engine.config import EngineArgs, ModelSpec
+    from jax_engine.engine import Engine
+
+    path = str(tmp_path_factory.mktemp("llama3"))
+    model = hf_models.build("llama3", path)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(C, "decision_dir", lambda: str(tmp_path_factory.mktemp("decisions")))
+    mp.setattr(C, "default_timer", FakeTimer(_mixed_table))
+    try:
+        engine = Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], max_running_requests=D,
+                                   max_num_batched_tokens=T, max_model_len=128, page_size=8))
+        engine.load_all(progress=False)
+    finally:
+        mp.undo()
+    yield model, engine
+    engine.shutdown()
+
+
+def test_mixed_plan_serves_the_reference_output(mixed_engine):
+    from jax_engine.decode.parity import prompt_logits
+    from jax_engine.types import GenerateRequest, SamplingParams
+
+    model, engine = mixed_engine
+    worker = engine.worker("m")
+    cfg, params = worker.cfg, worker.replicas[0].runner.params
+    assert cfg.matmul == "mixed"
+    layers = params["layers"]
+    assert layers["qkv"].ndim == 5 and layers["qkv_panels"].shape[-1] == K.PANEL          # both layouts
+    assert layers["o"].shape[-1] == K.PANEL and "o_panels" not in layers                  # panels only
+    assert layers["gate_up"].ndim == 4 and "gate_up_panels" not in layers                 # XLA's only
+    assert cfg.matmul_plan.path("gate_up", T) == "blas" and cfg.matmul_plan.path("gate_up", D) == "xla"
+    assert layers["down"].ndim == 3 and layers["down_panels"].shape[-1] == K.PANEL
+    assert params["lm_head"].ndim == 2 and params["lm_head_panels"].shape[-1] == K.PANEL
+
+    prompts = [list(range(3, 40)), [7, 8, 9], list(range(100, 130))]      # prefill M = 64 (> D), decode M = 1..4
+    for p in prompts[:2]:
+        err = float(np.max(np.abs(prompt_logits(worker.replicas[0].runner, p) - hf_models.hf_logits(model, p))))
+        assert err <= 1e-4
+
+    async def greedy(p):
+        toks = []
+        req = GenerateRequest(request_id="", prompt_ids=p, model="m",
+                              params=SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+        async for o in engine.generate(req):
+            toks += o.new_token_ids
+        return toks
+
+    async def run_all():
+        return await asyncio.gather(*[greedy(p) for p in prompts])
+
+    for p, toks in zip(prompts, asyncio.run(run_all())):          # 3 rows at once (M = 4), then one by one (M = 1)
+        assert toks == hf_models.hf_greedy(model, p, 16)
+    assert asyncio.run(greedy(prompts[1])) == hf_models.hf_greedy(model, prompts[1], 16)
+    assert engine.stats("m").compilations_after_warmup == 0
+
+
+def test_both_paths_agree_on_the_same_weights(mixed_engine):
+    # the same weights through the other route of each matrix: XLA-only and kernel-only configs
+    _, engine = mixed_engine
+    worker = engine.worker("m")
+    runner = worker.replicas[0].runner
+    x = np.random.default_rng(0).standard_normal((3, worker.cfg.hidden_size)).astype(np.float32)
+    plan = worker.cfg.matmul_plan
+    xla_cfg = dataclasses.replace(worker.cfg, matmul="xla", matmul_plan=None)
+    head_xla = np.asarray(llama.lm_head(runner.params, xla_cfg, jnp.asarray(x)))
+    head_k = np.asarray(K.linear(jnp.asarray(x), runner.params["lm_head_panels"], 0, 1, (worker.cfg.vocab_size,)))
+    np.testing.assert_allclose(head_k, head_xla, rtol=1e-5, atol=1e-5)
+    assert plan.path("lm_head", 1) == "kernel" and plan.path("lm_head", 3) == "xla"

