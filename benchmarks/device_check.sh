@@ -13,7 +13,7 @@
 #        #          --parity-backends auto,reference --budget-s 420
 #        #          (all of them: python -m benchmarks.device_check run --help)
 #   bash benchmarks/device_check.sh --dry-run            # the same code on CPU, tiny shapes (< 2 minutes),
-#        # in ${TMPDIR:-/tmp}/xlaserve-device-check-dry-run unless --work DIR (tests/test_device_check.py)
+#        # in ${TMPDIR:-/tmp}/xlaserve-device-check-dry-run unless --work DIR (tests/e2e/test_device_check.py)
 #
 # Expected time on an H200 (estimates, never measured): parity ~1 min (4 tiny engines, lazy
 # compiles), bench ~3 min (2.1 GiB model written, ~95 programs compiled, 3 batch sizes x 3 runs),

@@ -1,6 +1,6 @@
 """`allspark.allspark_service.AllSpark`: DashInfer's model life cycle and polled generation.
 
-Contract: protos/ (allspark) and tests/test_grpc_allspark.py. Every failure is reported in `as_status` with
+Contract: protos/ (allspark) and tests/frontends/test_grpc_allspark.py. Every failure is reported in `as_status` with
 gRPC status OK (the real client turns any non-OK status into UNKNOWN_ERROR). Requests are
 keyed by the client's `config.uuid`; a background task per request moves engine events into
 a per-request token queue that Get / GetNoWait drain. Everything is an asyncio await, so a

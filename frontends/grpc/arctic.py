@@ -1,6 +1,6 @@
 """`arctic_inference.InferenceService`: embeddings as the Arctic replica serves them.
 
-Contract: protos/ (arctic_inference) and tests/test_grpc_arctic.py. Every validation or engine failure of Encode is
+Contract: protos/ (arctic_inference) and tests/frontends/test_grpc_arctic.py. Every validation or engine failure of Encode is
 reported in `EncodeResponse.error` with gRPC status OK, because that field is the only error
 channel the shipped client reads.
 """

@@ -184,7 +184,7 @@ async def mark_not_serving(server: Any) -> None:
 
 
 # ---------------------------------------------------------------------- the server
-# HTTP/2 abuse bounds (rapid reset, stream and ping floods; tests/test_hardening.py row 22).
+# HTTP/2 abuse bounds (rapid reset, stream and ping floods; tests/e2e/test_hardening.py row 22).
 DEFAULT_MAX_CONCURRENT_STREAMS = 256     # per connection; more streams wait for a free one
 KEEPALIVE_TIME_MS = 60_000               # the server pings idle transports to find dead clients...
 KEEPALIVE_TIMEOUT_MS = 20_000            # ...and drops the connection (cancelling its calls) if no ack

@@ -1,6 +1,6 @@
 """`sglang.grpc.scheduler.SglangScheduler` (seed revision): what the SGLang router talks to.
 
-Contract: protos/ (sglang) and tests/test_grpc_sglang.py. Errors travel as gRPC status codes, never as
+Contract: protos/ (sglang) and tests/frontends/test_grpc_sglang.py. Errors travel as gRPC status codes, never as
 `GenerateError` (both seed-era and newer routers understand a status). Zero values of an
 explicit `sampling_params` are read the way SGLang reads them; an absent message means the
 engine's semantic defaults. Request fields we cannot honour are refused by name, never dropped.

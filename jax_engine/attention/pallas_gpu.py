@@ -22,7 +22,7 @@ stacked [L, KVH, pages, ...] cache inside the layer scan copies it just the same
 
 Limits: head_dim and page_size must be powers of two >= 16 (Triton block shapes and tl.dot
 minimums); `unsupported()` says so at start-up and `auto` then falls back to the reference.
-Tested on CPU in Pallas interpret mode only (tests/test_attention_backends.py); the Triton
+Tested on CPU in Pallas interpret mode only (tests/engine/test_attention_backends.py); the Triton
 lowering, speed and numerics on a real GPU are not verified yet.
 """
 from __future__ import annotations

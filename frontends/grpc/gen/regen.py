@@ -4,7 +4,7 @@
 
 protoc writes absolute imports such as `from sglang import sglang_scheduler_pb2`; a top-level
 `sglang` / `arctic_inference` package would clash with the real projects if they are installed,
-so the imports are rewritten to point into this package instead. tests/test_protos.py runs
+so the imports are rewritten to point into this package instead. tests/unit/test_protos.py runs
 `generate()` into a temporary folder and fails on any difference from the committed files.
 """
 from __future__ import annotations
