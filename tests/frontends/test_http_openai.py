@@ -10,23 +10,11 @@ import httpx
 import numpy as np
 import pytest
 
-from jax_engine.types import GenerateRequest, SamplingParams
+from tests.helpers.engines import engine_greedy
 from tests.helpers.shared import EMBED, GEN, HTTP_API_KEY, wait_for
 
 PROMPT_IDS = [1, 40, 41, 42, 43, 44, 45, 46]
 CHAT = [{"role": "user", "content": "hello world"}]
-
-
-def engine_greedy(server_loop, engine, prompt_ids, n_tokens) -> list[int]:
-    async def run():
-        toks: list[int] = []
-        req = GenerateRequest(request_id="", prompt_ids=list(prompt_ids),
-                              params=SamplingParams(temperature=0.0, max_new_tokens=n_tokens, ignore_eos=True))
-        async for out in engine.generate(req):
-            toks += out.new_token_ids
-        return toks
-
-    return server_loop.run(run())
 
 
 def sse_events(response: httpx.Response) -> list:

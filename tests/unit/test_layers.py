@@ -48,15 +48,13 @@ def _target(name: str) -> Optional[str]:
     return None
 
 
-def _imports(module: str, path: str) -> set[str]:
-    """Every module of ours that `module` imports, anywhere in its file."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    is_pkg = path.endswith("__init__.py")
-    out: set[str] = set()
+def _imported_names(tree: ast.AST, module: str, is_pkg: bool) -> list[tuple[str, str]]:
+    """(base, base.name) of every import anywhere in `tree`, relative imports resolved against
+    `module`; for `import a.b` both are "a.b"."""
+    out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            out += [(a.name, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -64,14 +62,21 @@ def _imports(module: str, path: str) -> set[str]:
                 parts = parts if is_pkg else parts[:-1]
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([base] if base else []))
-            # `from pkg import sub` imports pkg.sub when that is a module, else a name of pkg
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
-        else:
-            continue
-        for n in names:
-            t = _target(n)
-            if t is not None and t != module:
-                out.add(t)
+            out += [(base, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def _imports(module: str, path: str) -> set[str]:
+    """Every module of ours that `module` imports, anywhere in its file."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    out: set[str] = set()
+    # `from pkg import sub` imports pkg.sub when that is a module, else a name of pkg
+    names = [full if full in MODULES else base for base, full in _imported_names(tree, module, path.endswith("__init__.py"))]
+    for n in names:
+        t = _target(n)
+        if t is not None and t != module:
+            out.add(t)
     return out
 
 
@@ -171,23 +176,10 @@ TEST_IMPORT_SCAN = ("tests", "benchmarks")
 def _test_module_imports(source: str, module: str, is_pkg: bool = False) -> list[str]:
     """Modules `tests.<...>.test_*` or `tests.conftest` (or names of that form) that `source` imports."""
     out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = module.split(".")
-                parts = parts if is_pkg else parts[:-1]
-                parts = parts[: len(parts) - (node.level - 1)]
-                base = ".".join(parts + ([base] if base else []))
-            names = [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "tests" and any(p == "conftest" or p.startswith("test_") for p in parts[1:]):
-                out.append(name)
+    for _, name in _imported_names(ast.parse(source), module, is_pkg):
+        parts = name.split(".")
+        if parts[0] == "tests" and any(p == "conftest" or p.startswith("test_") for p in parts[1:]):
+            out.append(name)
     return out
 
 
