@@ -678,7 +678,10 @@ def test_row17_burst_is_refused_at_once_never_hangs(http_url, grpc_channel, serv
     statuses = [r[1] for r in results]
     assert set(statuses) <= {200, 429}, results
     refused = [r for r in results if r[1] == 429]
-    assert refused and statuses.count(200) >= capacity // 2, statuses
+    # the first `waiting` arrivals always fit the queue; how many more are admitted depends on how
+    # fast the scheduler moves waiting requests into its 8 rows while the burst arrives (a 2-core
+    # CI host admitted 5 of 36 once), so only that floor is a guarantee
+    assert refused and statuses.count(200) >= waiting, statuses
     for front, _, retry, took, text in refused:
         assert retry is not None and int(retry) >= 1, (front, retry)
         assert took < 5.0, (front, took)                          # refused at once, not after a wait
