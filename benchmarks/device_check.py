@@ -287,7 +287,7 @@ def step_parity(work: str, cache_dir: str, tols: dict[str, float], backends: Seq
         loop = asyncio.new_event_loop()
         try:
             engine.load_all(progress=False, warmup=False)
-            worker = engine._worker("m")
+            worker = engine.worker("m")
             res: dict[str, Any] = {"tol": tol, "engine_dtype": worker.info.dtype,
                                    "kv_dtype": str(worker.replicas[0].runner.state["k"].dtype),
                                    "attention_backend": _backend_of(worker)}
@@ -436,7 +436,7 @@ def step_bench(a, dl: Deadline) -> dict:
     loop = asyncio.new_event_loop()
     try:
         engine.load_all(progress=False)           # load, compile every program, start
-        worker = engine._worker("bench")
+        worker = engine.worker("bench")
         runner = worker.replicas[0].runner
         out["programs"] = len(runner.all_keys())
         out["warmup_s"] = C.rnd(worker.warmup_s, 1)

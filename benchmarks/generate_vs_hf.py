@@ -178,7 +178,7 @@ class EngineSide:
         self.loop = asyncio.new_event_loop()
 
     def runner(self):
-        return self.engine._worker(self.name).replicas[0].runner
+        return self.engine.worker(self.name).replicas[0].runner
 
     def weight_bytes(self, batches: Sequence[int]) -> dict:
         """Bytes of the parameters a decode step of each batch size reads (all but the embedding

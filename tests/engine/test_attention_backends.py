@@ -309,7 +309,7 @@ def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
                                ("gpu", "reference", "reference")):
         monkeypatch.setattr(backend, "platform", lambda plat=plat: plat)
         with small_engine(demo_generator_path, attention_backend=choice) as engine:
-            worker = engine._worker("m")
+            worker = engine.worker("m")
             assert worker.cfg.attention_backend == want
             runner = worker.replicas[0].runner
             assert runner.cfg.attention_backend == want

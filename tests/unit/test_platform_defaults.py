@@ -62,7 +62,7 @@ def test_generate_worker_weights_and_kv_cache(monkeypatch, demo_path, plat, want
     monkeypatch.setattr(backend, "platform", lambda: plat)
     engine = _load(demo_path)
     try:
-        worker = engine._worker("m")
+        worker = engine.worker("m")
         assert worker.info.dtype == want
         runner = worker.replicas[0].runner
         assert runner.state["k"].dtype == want and runner.state["v"].dtype == want
