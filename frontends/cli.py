@@ -162,9 +162,9 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
         help="decoder attention: auto (Pallas kernels on GPU / TPU, pure JAX on CPU), reference (pure JAX), "
              "pallas (the platform's Pallas kernel; refused on CPU)")
     opt(m, "--cpu-matmul", default=d["cpu_matmul"], choices=["auto", "xla", "kernel", "blas"],
-        help="decoder matmuls on CPU: auto (times XLA's dot, the packed-panel C++ kernel and, for float32, numpy's "
-             "OpenBLAS per matrix and row class at first start, keeps the fastest; cached), xla, kernel, blas "
-             "(refused where they cannot run)")
+        help="decoder matmuls on CPU: auto (times XLA's dot and the packed-panel C++ kernel per matrix and row "
+             "class at first start, keeps the faster; cached), xla, kernel, blas (numpy's OpenBLAS, float32; "
+             "refused where they cannot run)")
 
     lim = p.add_argument_group("request limits")
     opt(lim, "--max-prompt-tokens", type=_positive, default=None, help="prompt token limit (default: the context)")

@@ -25,8 +25,9 @@ a tuned BLAS is what wins; where it is not, it must not be chosen. Standalone [M
       OpenBLAS (numpy)         63     95    172    198    200
       XLA dot                  35    155    182    204    204
 
-so here the two are level at prefill rows and XLA leads at decode rows. The library is timed for
-float32 weights at prefill row counts only (it has no bfloat16 or int8 GEMM; at decode rows it is
+so here the two are level at prefill rows and XLA leads at decode rows. `auto` leaves it out
+(LIBRARY_IN_AUTO: it lost a whole-request A/B); where it is timed (`cases(library=True)`), it is
+timed for float32 weights at prefill row counts only (it has no bfloat16 or int8 GEMM; at decode rows it is
 a GEMV against the panel kernel's weight stream), and since it runs on its own thread pool (which
 spins after a call, competing with XLA's) it is kept only where it beats the best other path by
 more than MARGIN.
@@ -111,6 +112,14 @@ SAMPLES = 5                      # alternating samples per path and point (after
 MIN_SAMPLE_S = 0.002             # back-to-back calls per sample until at least this long
 PREFILL_FLOPS = 0.5e9            # per layer at a prefill point
 MIN_COLUMNS = 512                # output columns kept at a prefill point
+# `auto` does not time the library sgemm. Timed alone (one matrix in a scan) it won every float32
+# prefill point of the 'small' model here by 1.4-1.9x, but a same-run A/B of whole requests
+# ('small', float32, 2 rounds, 128-token prompts) lost with it: prefill b1 159-161 vs 130-145 ms,
+# decode b16 439-476 vs 539-560 tok/s, decode b1 66-67 vs 69-72 tok/s. OpenBLAS runs its own
+# thread pool, which keeps spinning beside XLA's after each call, and keeping its layout made the
+# plan move qkv / down at 16 rows off the kernel. Per-matrix timing cannot see either, so the path
+# stays opt-in (`--cpu-matmul blas`) until it is chosen by whole-step timings.
+LIBRARY_IN_AUTO = False
 
 
 # --------------------------------------------------------------------------- what to time
@@ -141,14 +150,16 @@ class Case:
         return 1 if self.int8 else jnp.dtype(self.dtype).itemsize
 
 
-def cases(cfg: Any, dtype: Any, quantize: str, decode_rows: int, prefill_tokens: int) -> list[Case]:
-    """The matrices of `cfg` (a LlamaConfig, tp 1) and the row counts each is timed at."""
+def cases(cfg: Any, dtype: Any, quantize: str, decode_rows: int, prefill_tokens: int,
+          library: bool = False) -> list[Case]:
+    """The matrices of `cfg` (a LlamaConfig, tp 1) and the row counts each is timed at; with
+    `library`, the library sgemm too (off in `configure`: see LIBRARY_IN_AUTO)."""
     dec = sorted({1, decode_rows})
     pre = [prefill_tokens] if prefill_tokens > decode_rows else []
     name = jnp.dtype(dtype).name
     # the library sgemm: float32 only (numpy's OpenBLAS has no bfloat16 or int8 GEMM), timed at
     # prefill rows only (at decode rows it is a GEMV against the panel kernel's stream)
-    blas = name == "float32" and quantize == "none" and bool(pre) and cpu_kernels.blas_available()
+    blas = library and name == "float32" and quantize == "none" and bool(pre) and cpu_kernels.blas_available()
     out = []
     for w, (kd, od) in llama.matmul_dims(cfg).items():
         head = w == "lm_head"
@@ -446,5 +457,6 @@ def configure(choice: str, cfg: Any, plat: str, dtype: Any, quantize: str, tp: i
     path = cpu_kernels.resolve(choice, plat, dtype, quantize, tp)
     if choice != "auto" or path == "xla":
         return dataclasses.replace(cfg, matmul=path, matmul_plan=None)
-    plan = choose(cases(cfg, dtype, quantize, decode_rows, prefill_tokens), decode_rows, timer=timer)
+    plan = choose(cases(cfg, dtype, quantize, decode_rows, prefill_tokens, library=LIBRARY_IN_AUTO), decode_rows,
+                  timer=timer)
     return dataclasses.replace(cfg, matmul=plan.mode, matmul_plan=plan)     # the plan also when uniform: stats

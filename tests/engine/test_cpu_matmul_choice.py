@@ -55,8 +55,8 @@ def decisions(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _cases(dtype=jnp.float32, quantize="none", **kw):
-    return C.cases(LlamaConfig.from_hf({**TINY, **kw}), dtype, quantize, D, T)
+def _cases(dtype=jnp.float32, quantize="none", library=False, **kw):
+    return C.cases(LlamaConfig.from_hf({**TINY, **kw}), dtype, quantize, D, T, library=library)
 
 
 def test_cases_cover_every_matrix_and_class():
@@ -143,6 +143,7 @@ def test_real_timer_measures_both_paths():
     got = C.wall_timer(case, 2, {p: pt.runner(p) for p in pt.paths})
     assert set(got) == {"xla", "kernel"} and all(v > 0 for v in got.values())
     assert K.blas_available(), K.blas_reason()           # numpy's wheel ships an OpenBLAS
+    case = next(c for c in _cases(library=True) if c.weight == "down")
     pre = C._Point(case, T, D)                            # a float32 prefill point: the library sgemm too
     got = C.wall_timer(case, T, {p: pre.runner(p) for p in pre.paths})
     assert set(got) == {"xla", "kernel", "blas"} and all(v > 0 for v in got.values())
@@ -157,15 +158,16 @@ def test_the_library_sgemm_wins_only_by_a_margin(decisions):
         if w == "o":
             return (1.0e-3, 4e-3, 0.95e-3)                 # sgemm 5% faster: not enough (its own threads)
         return (1e-3, 4e-3, 5e-3)                          # sgemm slower
-    plan = C.choose(_cases(), D, timer=FakeTimer(table))
+    plan = C.choose(_cases(library=True), D, timer=FakeTimer(table))
     routes = dict(plan.routes)
     assert routes["qkv"] == ((D, "kernel"), (C.UNBOUNDED, "blas"))
     assert routes["o"] == ((D, "kernel"), (C.UNBOUNDED, "xla"))
     assert plan.layouts("qkv") == {"kernel", "xla"}        # the sgemm reads XLA's layout: no third copy
     t = next(t for t in plan.timings if t.weight == "qkv" and t.m == T)
     assert t.blas_s is not None and t.blas_s < t.xla_s
-    assert [c for c in _cases(dtype=jnp.bfloat16) if c.blas] == []          # float32 only
-    assert [c for c in _cases(quantize="int8") if c.blas] == []
+    assert [c for c in _cases(dtype=jnp.bfloat16, library=True) if c.blas] == []          # float32 only
+    assert [c for c in _cases(quantize="int8", library=True) if c.blas] == []
+    assert [c for c in _cases() if c.blas] == [] and not C.LIBRARY_IN_AUTO                 # auto: opt-in only
 
 
 def test_the_library_sgemm_matches_einsum():
@@ -200,6 +202,7 @@ def mixed_engine(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(C, "decision_dir", lambda: str(tmp_path_factory.mktemp("decisions")))
     mp.setattr(C, "default_timer", FakeTimer(_mixed_table))
+    mp.setattr(C, "LIBRARY_IN_AUTO", True)          # the library sgemm's route through a real engine too
     try:
         engine = Engine(EngineArgs(models=[ModelSpec(name="m", path=path)], max_running_requests=D,
                                    max_num_batched_tokens=T, max_model_len=128, page_size=8))
