@@ -9,11 +9,11 @@ Then the section between `<!-- perf:begin -->` and `<!-- perf:end -->` in README
 rewritten from those files only: start time, parity with transformers, the test suite, the
 peer comparisons (transformers, sentence-transformers, and where the `bench` extra's libraries
 are installed llama.cpp and ONNX Runtime, each ratio with the peer's dtype or GGUF type),
-serving, the decode profile. Every table names the results file it came
-from and the host it was measured on; nothing in it is typed in. Nothing else in README.md is
-touched. Without the markers, or in --quick mode (smoke numbers do not belong in the README),
-the section is printed instead, and always saved as benchmarks/results/performance.md
-(performance_quick.md).
+serving, the ragged step engine against the split engine it replaced, the decode profile.
+Every table names the results file it came from and the host it was measured on; nothing in
+it is typed in. Nothing else in README.md is touched. Without the markers, or in --quick mode
+(smoke numbers do not belong in the README), the section is printed instead, and always saved
+as benchmarks/results/performance.md (performance_quick.md).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "embed_vs_st": ("embed_vs_st", [], [], "embed_vs_st", "embed_vs_st"),
     "generate_vs_hf": ("generate_vs_hf", [], [], "generate_vs_hf", "generate_vs_hf"),
     "serve_load": ("serve_load", [], [], "serve_load", "serve_load"),
+    "ragged_step": ("ragged_step", [], [], "ragged_step", "ragged_step"),
     "profile_decode": ("profile_decode", [], [], "profile_decode", "profile_decode"),
     "profile_decode_batch": ("profile_decode", ["--batch", "4"], ["--batch", "16"],
                              "profile_decode_b4", "profile_decode_b16"),
@@ -382,6 +383,176 @@ def sec_serve(s: dict, quick: bool) -> list[str]:
     return lines + ["", *_plots(s), ""]
 
 
+# the ragged step issue's goals, for results files that lack their `targets` (ragged_step.py has the same)
+RAGGED_GOALS = {"saturation": 1.3, "ttft": 1.2, "itl_spread": 4.0}
+
+
+def _goal(d: dict, key: str, default: float) -> float:
+    """A target's goal as the results file recorded it, else the issue's."""
+    g = ((d.get("targets") or {}).get(key) or {}).get("goal")
+    return default if g is None else g
+
+
+def _pair(summary: dict, key: str) -> tuple[Any, Any, float | None]:
+    """(ragged, split, ragged / split) of one pair_table entry; the ratio from the two medians when absent."""
+    e = summary.get(key) or {}
+    r, s = e.get("ragged"), e.get("split")
+    ratio = e.get("ratio_ragged_over_split")
+    if ratio is None and isinstance(r, (int, float)) and isinstance(s, (int, float)):
+        ratio = C.ratio(r, s)
+    return r, s, ratio
+
+
+def _clean_rounds(summary: dict, rounds: dict | None = None) -> str:
+    """'k of n' clean rounds of a compared scenario, from its summary (or its rounds)."""
+    for e in summary.values():
+        ar = (e or {}).get("all_rounds") if isinstance(e, dict) else None
+        if ar and ar.get("rounds") is not None:
+            return f"{ar.get('clean_rounds')} of {ar.get('rounds')}"
+    runs = list((rounds or {}).get("ragged") or [])
+    return f"{sum(1 for x in runs if x.get('clean'))} of {len(runs)}" if runs else "–"
+
+
+def _tree_line(name: str, t: dict | None, split_commit: str | None) -> str:
+    """Which code one side of the ragged step comparison was: its commit and any local engine changes."""
+    t = t or {}
+    if t.get("error") or not t.get("commit"):
+        return f"{name}: {split_commit or '?'} ({t.get('error') or 'commit not recorded'})"
+    ch, un = t.get("engine_files_changed") or [], t.get("engine_files_untracked") or []
+    local = ""
+    if ch or un:
+        local = (f" + local changes to {len(ch)} engine file(s)" + (f" and {len(un)} untracked" if un else "")
+                 + (f" (`git diff HEAD -- jax_engine` sha1 `{t['engine_diff_sha1']}`)" if t.get("engine_diff_sha1") else ""))
+    asked = f" ({split_commit})" if split_commit and name == "split" else ""
+    return f"{name}: commit `{t['commit'][:10]}`{asked}{local}"
+
+
+def _sweep_programs(d: dict, budget: int) -> Any:
+    """Ragged step programs compiled at load for one budget of the sweep (its own worker, or the comparison's)."""
+    eng = d.get("engines") or {}
+    e = eng.get(f"ragged-b{budget}@{budget}") or eng.get(f"ragged@{budget}") or {}
+    return (e.get("counts") or {}).get("programs")
+
+
+def sec_ragged_step(d: dict, quick: bool) -> list[str]:
+    """ragged_step: the engine's one ragged step program ("ragged", this tree) against the engine it
+    replaced ("split": a prefill program, then a decode+sample program per step), in-process."""
+    st = d.get("setup") or {}
+    name = result_name("ragged_step", quick)
+    trees = st.get("trees") or {}
+    lines = [f"### One ragged step program vs the split prefill + decode engine, in-process ({_cpu(d)})", "",
+             _src(name, quick, d), ""]
+    warm = {"aot": "every program compiled ahead of time", "lazy": "programs compiled on first use"}
+    lines.append(
+        f"Random '{st.get('model', '?')}' Llama, each engine in its own worker process (`Engine` directly, no server), "
+        f"{st.get('prompt_len', '?')}-token prompts, {st.get('new_tokens', '?')} new tokens (greedy, ignore_eos), "
+        f"token budget {st.get('budget', '?')}, up to {st.get('max_running', st.get('streams', '?'))} running requests, "
+        f"shared persistent compile cache. Measured: "
+        + "; ".join(_tree_line(n, trees.get(n), st.get("split_commit") if n == "split" else None)
+                    for n in ("ragged", "split"))
+        + f". Compile at start: ragged {warm.get(st.get('ragged_warmup'), st.get('ragged_warmup', '?'))}, split "
+        f"{warm.get(st.get('split_warmup'), st.get('split_warmup', '?'))}. One untimed warm-up round per engine and "
+        f"scenario; timed rounds alternate between the engines, first side rotating; medians (clean rounds when "
+        f"there are any). Here ragged / split < 1 is better for times, > 1 for tokens/s.")
+    sat = d.get("saturation")
+    if sat:
+        s = sat.get("summary") or {}
+        r, sp, ratio = _pair(s, "completed_tok_s")
+        t = C.target(ratio, _goal(d, "saturation_completed_tok_s_ragged_over_split", RAGGED_GOALS["saturation"]))
+        clean = _clean_rounds(s, sat.get("rounds"))
+        lines += ["", (f"| saturation: {st.get('streams', '?')} concurrent streams | ragged | split | ragged / split | "
+                       "target | met | clean rounds |"), "|---|---|---|---|---|---|---|",
+                  f"| completed tok/s (all output tokens / first submit to last token) | {_f(r)} | {_f(sp)} | "
+                  f"{_x(ratio)} | ≥ {t['goal']:g}× | {_met(t)} | {clean} |"]
+        for key, label, scale, fmt in (("decode_tok_s", "steady decode tok/s (every stream decoding)", 1, "{:.1f}"),
+                                       ("prefill_s", "all prompts in (first submit to last first token), ms", 1e3,
+                                        "{:.0f}"),
+                                       ("ms_per_step_p50", "ms per step while decoding (p50)", 1, "{:.2f}")):
+            if key in s:
+                a, b, q = _pair(s, key)
+                a, b = (x * scale if isinstance(x, (int, float)) else x for x in (a, b))
+                lines.append(f"| {label} | {_f(a, fmt)} | {_f(b, fmt)} | {_x(q)} | – | – | {clean} |")
+    pois = d.get("poisson") or {}
+    if pois:
+        tt, ti = RAGGED_GOALS["ttft"], RAGGED_GOALS["itl_spread"]
+        lines += ["", (f"Poisson arrivals ({st.get('requests', '?')} requests per run, the same arrival times and "
+                       "prompts for both engines): TTFT = submit to first token, ITL = gaps between one request's "
+                       "consecutive tokens."), "",
+                  ("| offered req/s, as sent (nominal) | TTFT p50 ms, ragged / split | ragged / split | target | met | "
+                   "ITL p50 / p99 ms, ragged | ITL p99 / p50, ragged | target | met | ITL p50 / p99 ms, split | "
+                   "ITL p99 / p50, split | output tok/s, ragged / split | errors | clean rounds |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for rate, p in sorted(pois.items(), key=lambda kv: float(kv[1].get("rate") or kv[0])):
+            s = p.get("summary") or {}
+            sent_r, sent_s, _ = _pair(s, "offered_rate_rps")
+            sent = _f(sent_r, "{:.2f}") + ("" if sent_s in (None, sent_r) else f" / {_f(sent_s, '{:.2f}')}")
+            tr, tsp, tratio = _pair(s, "ttft_p50_ms")
+            t_ttft = C.target(tratio, _goal(d, f"poisson_{rate}_ttft_p50_ragged_over_split", tt), higher_is_better=False)
+            sides = {}
+            for side in ("ragged", "split"):
+                p50, p99 = (s.get("itl_p50_ms") or {}).get(side), (s.get("itl_p99_ms") or {}).get(side)
+                spread = (s.get("itl_p99_over_p50") or {}).get(side)
+                sides[side] = (p50, p99, C.ratio(p99, p50) if spread is None else spread)
+            t_itl = C.target(sides["ragged"][2], _goal(d, f"poisson_{rate}_itl_p99_over_p50_ragged", ti),
+                             higher_is_better=False)
+            out_r, out_s, _ = _pair(s, "output_tok_s")
+            rounds = p.get("rounds") or {}
+            errors = sum(x.get("errors", 0) for side in ("ragged", "split") for x in rounds.get(side) or [])
+            lines.append(f"| {sent} ({float(p.get('rate') or rate):g}) | {_f(tr)} / {_f(tsp)} | {_x(tratio)} | "
+                         f"≤ {t_ttft['goal']:g}× | {_met(t_ttft)} | {_f(sides['ragged'][0], '{:.2f}')} / "
+                         f"{_f(sides['ragged'][1], '{:.2f}')} | {_f(sides['ragged'][2], '{:.2f}')} | "
+                         f"≤ {t_itl['goal']:g}× | {_met(t_itl)} | {_f(sides['split'][0], '{:.2f}')} / "
+                         f"{_f(sides['split'][1], '{:.2f}')} | {_f(sides['split'][2], '{:.2f}')} | "
+                         f"{_f(out_r)} / {_f(out_s)} | {errors} | {_clean_rounds(s, rounds)} |")
+    sweep = d.get("budget_sweep") or {}
+    if sweep:
+        default = st.get("budget")
+        lines += ["", ("Token budget sweep (`--max-num-batched-tokens`), ragged engine only, one worker per budget, "
+                       "Poisson arrivals as above; the default budget's points are the comparison's ragged medians."), "",
+                  ("| budget | offered req/s, as sent (nominal) | TTFT p50 ms | ITL p50 ms | ITL p99 ms | ITL p99 / p50 | "
+                   "output tok/s | errors | step programs (added in timed runs) |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
+        rows = [(int(b), rate, m) for b, by_rate in sweep.items() for rate, m in (by_rate or {}).items()]
+        for b, rate, m in sorted(rows, key=lambda x: (float(x[1]), x[0])):
+            label = f"**{b}** (default)" if default is not None and b == int(default) else str(b)
+            spread = m.get("itl_p99_over_p50")
+            spread = C.ratio(m.get("itl_p99_ms"), m.get("itl_p50_ms")) if spread is None else spread
+            added = sum((c or {}).get("programs", 0) for c in m.get("compiles") or [])
+            progs = _sweep_programs(d, b)
+            prog_txt = _f(progs, "{}") + ("" if "compiles" not in m else f" (+{added})")
+            errors = m.get("errors")
+            if errors is None and m.get("reused_from"):
+                errors = "(above)"
+            lines.append(f"| {label} | {_f(m.get('offered_rate_rps'), '{:.2f}')} ({float(rate):g}) | "
+                         f"{_f(m.get('ttft_p50_ms'), '{:.2f}')} | {_f(m.get('itl_p50_ms'), '{:.2f}')} | "
+                         f"{_f(m.get('itl_p99_ms'), '{:.2f}')} | {_f(spread, '{:.2f}')} | {_f(m.get('output_tok_s'))} | "
+                         f"{_f(errors, '{}')} | {prog_txt} |")
+    comp = d.get("compiles") or {}
+    if comp:
+        lines += ["", ("| engine | compile at start | programs at load | programs at the end | programs added in timed "
+                       "runs | JAX compilations in timed runs | engine compilations after warmup |"),
+                  "|---|---|---|---|---|---|---|"]
+        for side in ("ragged", "split"):
+            c = comp.get(side)
+            if not c:
+                continue
+            added = c.get("timed_programs_added")
+            mark = f" ({_met(C.target(added, 0, higher_is_better=False))} target 0)" if side == "ragged" else ""
+            lines.append(f"| {side} | {c.get('warmup', '?')} | {_f(c.get('programs_at_load'), '{}')} | "
+                         f"{_f(c.get('programs_end'), '{}')} | {_f(added, '{}')}{mark} | "
+                         f"{_f(c.get('timed_jax_compiles'), '{}')} | {_f(c.get('engine_compilations_after_warmup'), '{}')} |")
+        if (comp.get("split") or {}).get("warmup") == "lazy":
+            lines += ["", ("The split engine compiled on first use here (`--split-warmup lazy`): a compile can land in "
+                           "its timed rounds, and the count above says how many did.")]
+    timed = [(sat or {}).get("rounds") or {}] + [p.get("rounds") or {} for p in pois.values()]
+    errs = [x.get("errors", 0) for rounds in timed for side in ("ragged", "split") for x in rounds.get(side) or []]
+    errs += [m.get("errors", 0) for by_rate in sweep.values() for m in (by_rate or {}).values() if "errors" in m]
+    if errs:
+        te = C.target(sum(errs), 0, higher_is_better=False)
+        lines += ["", f"Errors in all timed runs: {te['value']} (target 0, {_met(te)})."]
+    return lines + ["", *_plots(d), ""]
+
+
 def sec_profile(p: dict, pb: dict | None, quick: bool) -> list[str]:
     cols = [p] + ([pb] if pb else [])
     names = ["profile_decode"] + ([result_name("profile_decode_batch", quick)] if pb else [])
@@ -408,7 +579,8 @@ def section(quick: bool) -> str:
              "any); every ratio names the peer's dtype. Ratios > 1 mean xlaserve is better."), ""]
     docs = {job: _load(result_name(job, quick), quick) for job in JOBS}
     for job, render in (("start_time", sec_start_time), ("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate),
-                        ("serve_load", sec_serve), ("parity", sec_parity), ("tests", sec_tests)):
+                        ("serve_load", sec_serve), ("ragged_step", sec_ragged_step), ("parity", sec_parity),
+                        ("tests", sec_tests)):
         if docs[job]:
             lines += render(docs[job], quick)
     if docs["profile_decode"]:

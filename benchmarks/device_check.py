@@ -207,12 +207,17 @@ def engine_args(**kw):
     return EngineArgs(**kw)
 
 
-def run_requests(engine, prompts: list[list[int]], new_tokens: int, loop, **params) -> list[dict]:
-    """Every prompt as one greedy ignore-EOS request, all at once; per-request token arrivals."""
+def run_requests(engine, prompts: list[list[int]], new_tokens: int, loop, stagger_tokens: int = 0,
+                 **params) -> list[dict]:
+    """Every prompt as one greedy ignore-EOS request, all at once (or, with stagger_tokens, the
+    first one alone until it has that many tokens, so the others' prompt chunks share ragged
+    steps with its decode tokens); per-request token arrivals."""
     from jax_engine.types import GenerateRequest, SamplingParams
 
-    async def one(p: list[int]) -> dict:
-        rec: dict[str, Any] = {"events": [], "ids": [], "finish_reason": None, "prompt_logprobs": None}
+    recs: list[dict[str, Any]] = [{"events": [], "ids": [], "finish_reason": None, "prompt_logprobs": None}
+                                  for _ in prompts]
+
+    async def one(p: list[int], rec: dict) -> dict:
         sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True, **params)
         async for out in engine.generate(GenerateRequest(request_id="", prompt_ids=list(p), params=sp)):
             if out.prompt_logprobs is not None:
@@ -227,10 +232,16 @@ def run_requests(engine, prompts: list[list[int]], new_tokens: int, loop, **para
         return rec
 
     async def all_() -> list[dict]:
-        return await asyncio.gather(*[one(p) for p in prompts])
+        if not stagger_tokens:
+            return await asyncio.gather(*[one(p, r) for p, r in zip(prompts, recs)])
+        first = asyncio.ensure_future(one(prompts[0], recs[0]))
+        while not first.done() and len(recs[0]["ids"]) < stagger_tokens:
+            await asyncio.sleep(0.001)
+        rest = await asyncio.gather(*[one(p, r) for p, r in zip(prompts[1:], recs[1:])])
+        return [await first, *rest]
 
     t0 = time.perf_counter()
-    recs = loop.run_until_complete(all_())
+    loop.run_until_complete(all_())
     for r in recs:
         r["t0"] = t0
     return recs
@@ -303,7 +314,11 @@ def step_parity(work: str, cache_dir: str, tols: dict[str, float], backends: Seq
             # greedy: all prompts decoded together
             recs = run_requests(engine, prompts, out["new_tokens"], loop)
             res["greedy"] = greedy_compare([r["ids"] for r in recs], ref, n, tol)
-            res["ok"] = bool(max(errs) <= tol and lp_errs and max(lp_errs) <= 2 * tol and res["greedy"]["ok"])
+            # the same with the first prompt decoding while the others' chunks join its ragged steps
+            recs = run_requests(engine, prompts, out["new_tokens"], loop, stagger_tokens=4)
+            res["greedy_staggered"] = greedy_compare([r["ids"] for r in recs], ref, n, tol)
+            res["ok"] = bool(max(errs) <= tol and lp_errs and max(lp_errs) <= 2 * tol and res["greedy"]["ok"]
+                             and res["greedy_staggered"]["ok"])
             res["seconds"] = C.rnd(time.perf_counter() - t0, 1)
         finally:
             engine.shutdown(timeout=2.0)
@@ -419,7 +434,6 @@ def step_bench(a, dl: Deadline) -> dict:
 
     from benchmarks import generate_vs_hf as G
     from jax_engine.config import ModelSpec
-    from jax_engine.decode.runner import page_buckets
     from jax_engine.engine import Engine
 
     out: dict[str, Any] = {"model_name": a.model, "config": BENCH_MODELS[a.model]}
@@ -454,7 +468,9 @@ def step_bench(a, dl: Deadline) -> dict:
         kv_itemsize = runner.state["k"].dtype.itemsize
         vocab = cfg_hf["vocab_size"]
         ps = 16
-        pb_tokens = ps * next(b for b in page_buckets(a.max_model_len // ps) if b * ps >= a.prompt_len + a.new_tokens)
+        # the KV span a decode step's attention reads: the page bucket where the backend buckets pages
+        pb_tokens = ps * next(b for b in runner.page_buckets if b * ps >= a.prompt_len + a.new_tokens)
+        out["token_buckets"], out["page_buckets"] = runner.token_buckets, runner.page_buckets
         before = engine.compilations_after_warmup()
         rows: dict[str, Any] = {}
         for B in a.batches:

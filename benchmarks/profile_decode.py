@@ -1,17 +1,22 @@
 """Where one decode step of the 'small' Llama goes (batch 1 by default), through the engine and below it.
 
+A decode step is the engine's one ragged step program (runner.step) over B rows of one token
+each (StepRow(tokens=[last], start=position, ...) with one SampleRow), as the scheduler builds it
+when no prompt is being prefilled.
+
 Layers timed (each the median and minimum of many calls, context ~ prompt + new/2 = 192):
   engine_token_interval   a real streamed request: gap between tokens at the asyncio consumer
-  runner_decode           ModelRunner.decode(): host arrays -> device_put -> program -> fetch
-  runner_host_args        ModelRunner._decode_args() alone (numpy rows, sampling arrays, device_put)
-  decode_program          the compiled decode_greedy program alone (args prebuilt, state donated)
-  bare_forward            jit(llama.forward + lm_head + argmax) with the same inputs (no sampling)
+  runner_decode           ModelRunner.step() over the B decode rows: host arrays -> device_put ->
+                          program -> fetch
+  runner_host_args        ModelRunner._step_args() alone (numpy rows, sampling arrays, device_put)
+  decode_program          the compiled step + draw_greedy programs alone (args prebuilt, state donated)
+  bare_forward            jit(llama.forward + lm_head + argmax) with the same StepInputs (no sampling)
   weights_gemv_chain      only the layer matmuls + lm_head on one token (reads every weight once),
                           each matrix on the path (CPU kernel or XLA) llama.forward routes it to
   kv_gather               only the per-layer gather of K and V through the page table (the
                           reference attention does it; the CPU decode kernel reads pages in place)
   sampling_tail           penalties + argmax + log-softmax/top-k + count update over the vocab
-plus the compiled decode program's own cost analysis (flops, bytes accessed), and the decode
+plus the compiled step program's own cost analysis (flops, bytes accessed), and the step
 program at the smaller page bucket to show what the attention's page bucket costs.
 
 Run:  python -m benchmarks.profile_decode [--quick] [--iters N]
@@ -31,7 +36,7 @@ if __package__ in (None, ""):
 from benchmarks import common as C
 from benchmarks import generate_vs_hf as G
 from benchmarks.peer_worker import probe_limits
-from jax_engine.decode.rows import DecodeRow, SamplingRow
+from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 
 NAME = "profile_decode"
 
@@ -120,7 +125,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     from jax_engine.decode import sampling
     from jax_engine.models import llama
-    from jax_engine.models.llama import StepInputs
 
     doc = C.header(NAME, quick, sys.argv[1:] if argv is None else argv)
     doc["quiet_wait"] = C.wait_for_quiet(0 if quick else 60)
@@ -130,41 +134,45 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        max_running, max_model_len)
     runner = eng.runner()
     cfg, ps = runner.cfg, runner.rc.page_size
-    wb = eng.weight_bytes()
+    B = a.batch
+    wb_all = eng.weight_bytes([B])
+    wb = {**wb_all, "per_decode_step": wb_all["per_decode_step"][str(B)]}    # the bytes of this batch's step
     res: dict[str, Any] = {}
 
     # 1. a real request through the engine (asyncio consumer side)
     vocab = cfg.vocab_size
     new = 32 if quick else 128
-    B = a.batch
     prompt = G.make_prompts(B, ctx - new // 2, vocab, 77)
     r = eng.generate(prompt, new)
     res["engine_token_interval"] = {"ms_p50": C.rnd(r["ms_per_step_p50"], 3), "decode_tok_s": C.rnd(r["decode_tok_s"], 1)}
 
-    # B decode rows at context `ctx`, row i on its own pages (the scheduler is idle: the runner is ours)
+    # B decode rows at context `ctx` (one token each, at position ctx - 1), row i on its own pages
+    # and penalty slot i (the scheduler is idle: the runner is ours)
     npg = (ctx + ps - 1) // ps
-    pos = ctx - 1
 
-    def make_row(i: int, length: int) -> DecodeRow:
+    def make_row(i: int, length: int) -> StepRow:
         pg = list(range(1 + i * npg, 1 + i * npg + (length + ps - 1) // ps))
-        p = length - 1
-        return DecodeRow(token=5, position=p, kv_slot=pg[p // ps] * ps + p % ps, pages=pg, slot_id=i,
-                         sampling=greedy_row())
+        return StepRow(tokens=[5], start=length - 1, pages=pg, samples=[SampleRow(i, greedy_row())])
 
     rows = [make_row(i, ctx) for i in range(B)]
-    res["runner_decode"] = bench(lambda: runner.decode(rows, True), iters)
-    res["runner_host_args"] = bench(lambda: runner._decode_args(rows, True), iters)
+    res["runner_decode"] = bench(lambda: runner.step(rows, True), iters)
+    res["runner_host_args"] = bench(lambda: runner._step_args(rows, True), iters)
 
-    prog, key, args = runner._decode_args(rows, True)
+    # a decode step is two programs back to back: step (args: params, state, StepInputs, sample_idx;
+    # key: token bucket, page bucket) and draw_greedy over its R rows (state, raw logits, slot ids, sampling)
+    prog = "step"
+    key, args, draw_args = runner._step_args(rows, True)
     exe = runner.programs.get(prog, key, args)
+    R = runner.rows_for(key[0])         # the program's rows (B real, the rest padding)
+    draw = runner.programs.get("draw_greedy", (R,), runner._example("draw_greedy", (R,)))
 
     def run_program() -> None:
-        call = (args[0], runner.state, *args[2:])
-        out, runner.state = exe(*call)
+        (raw, _), runner.state = exe(args[0], runner.state, *args[2:])
+        out, runner.state = draw(runner.state, raw, *draw_args)
         jax.block_until_ready(out)
 
     res["decode_program"] = bench(run_program, iters)
-    res["decode_program"]["key"] = {"batch_bucket": key[0], "page_bucket": key[1],
+    res["decode_program"]["key"] = {"program": prog, "token_bucket": key[0], "rows": R, "page_bucket": key[1],
                                     "kv_tokens_gathered": key[1] * ps}
     try:
         ca = exe.cost_analysis()
@@ -177,33 +185,31 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # the same program at the smallest page bucket that still holds a short context
     small_pb = runner.page_buckets[0] if len(runner.page_buckets) == 1 else runner.page_buckets[-2]
     short = min(ctx, small_pb * ps)
-    prog_s, key_s, args_s = runner._decode_args([make_row(i, short) for i in range(B)], True)
-    exe_s = runner.programs.get(prog_s, key_s, args_s)
+    key_s, args_s, draw_s = runner._step_args([make_row(i, short) for i in range(B)], True)
+    exe_s = runner.programs.get("step", key_s, args_s)
 
     def run_small() -> None:
-        out, runner.state = exe_s(*(args_s[0], runner.state, *args_s[2:]))
+        (raw, _), runner.state = exe_s(*(args_s[0], runner.state, *args_s[2:]))
+        out, runner.state = draw(runner.state, raw, *draw_s)
         jax.block_until_ready(out)
 
     res["decode_program_small_page_bucket"] = bench(run_small, iters)
     res["decode_program_small_page_bucket"]["key"] = {"page_bucket": key_s[1], "context": short}
 
-    # 2. below the runner: hand-built programs on the same params / cache
+    # 2. below the runner: hand-built programs on the same params / cache, with the step's own inputs
     params = runner.params
-    tokens, positions, slots, table, kv_lens = (jnp.asarray(x) for x in (
-        np.full(B, 5, np.int32), np.full(B, pos, np.int32), np.array([r["kv_slot"] for r in rows], np.int32),
-        np.stack([np.pad(np.array(r["pages"], np.int32), (0, key[1] - len(r["pages"]))) for r in rows]),
-        np.full(B, ctx, np.int32)))
+    inp, sample_idx = args[2], args[3]          # the StepInputs and each row's last-token index
+    table = inp.page_table[:B]                  # the B live rows' [B, page bucket] tables
 
-    def fwd(params, k, v, tokens, positions, slots, table, kv_lens):
-        h, k, v = llama.forward(params, cfg, k, v, StepInputs(tokens[:, None], positions[:, None], slots[:, None],
-                                                               table, kv_lens), ps)
-        return jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1), k, v
+    def fwd(params, k, v, inp, sample_idx):
+        h, k, v = llama.forward(params, cfg, k, v, inp, ps)
+        return jnp.argmax(llama.lm_head(params, cfg, h[sample_idx]), -1), k, v
 
     fwd_j = jax.jit(fwd, donate_argnums=(1, 2))
 
     def run_fwd() -> None:
         st = runner.state
-        tok, k, v = fwd_j(params, st["k"], st["v"], tokens, positions, slots, table, kv_lens)
+        tok, k, v = fwd_j(params, st["k"], st["v"], inp, sample_idx)
         runner.state = {**st, "k": k, "v": v}
         tok.block_until_ready()
 
@@ -230,9 +236,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     kv_j = jax.jit(kv_gather)
     res["kv_gather"] = bench(lambda: kv_j(runner.state["k"], runner.state["v"], table).block_until_ready(), iters)
 
-    sa = runner._sa([greedy_row()] * B, key[0])
-    logits = jnp.asarray(np.random.default_rng(0).standard_normal((key[0], vocab)).astype(np.float32))
-    slot_ids = jnp.asarray(np.arange(key[0], dtype=np.int32))
+    sa = runner._sa([greedy_row()] * B, R)
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((R, vocab)).astype(np.float32))
+    slot_ids = jnp.asarray(np.arange(R, dtype=np.int32))
 
     def tail(logits, counts, pm, slot_ids, sa):
         lg = sampling.process_logits(logits, sa, counts[slot_ids], pm[slot_ids])

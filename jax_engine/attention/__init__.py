@@ -1,18 +1,21 @@
 """Attention backends: one module per kernel family, chosen by platform (DESIGN.md §5).
 
-  reference   pure JAX (gather through the page table, masked softmax); the fallback anywhere
-  cpu         the reference's layout and prefill, a C++ decode kernel (jax_engine/kernels/cpu.cc)
-  pallas_gpu  jax.experimental.pallas.ops.gpu.paged_attention for decode, own Pallas flash kernel
-              over the gathered pages for prefill (and for sliding-window decode)
-  pallas_tpu  jax.experimental.pallas.ops.tpu.ragged_paged_attention for both
+  reference   pure JAX (per-token gather through the page table, masked softmax); the fallback anywhere
+  cpu         the reference's layout, a C++ per-token kernel (jax_engine/kernels/cpu.cc)
+  pallas_gpu  jax.experimental.pallas.ops.gpu.paged_attention with every token its own sequence;
+              with a sliding window that bites, an own Pallas kernel over each token's window pages
+  pallas_tpu  jax.experimental.pallas.ops.tpu.ragged_paged_attention
 
 A backend owns its KV-cache layout, so it owns everything that touches the cache: its shape and
 sharding (`cache_specs`), the KV write, the attention itself and the copy-on-write page copy.
-Interface (duck-typed): `name`, `unsupported(cfg, page_size, dtype)` (None or why not),
-`cache_specs(cfg, num_pages, page_size)` ({"k"|"v": (shape, PartitionSpec)}), `prepare(cfg, inp,
-page_size)` (per-step metadata, outside the layer scan), `write(kc, vc, layer, k, v, meta)`,
-`attend(q, kc, vc, layer, meta)` (q [B, Tq, KVH, G, D] -> same shape) and `copy_page(cfg, kc, vc,
-src, dst, page_size)`.
+Interface (duck-typed), over one ragged step's flat token list (llama.StepInputs): `name`,
+`page_buckets` (True when the attention cost grows with the page table's width, so the runner
+buckets it; False when the kernel reads only the pages it needs), `unsupported(cfg, page_size,
+dtype)` (None or why not), `cache_specs(cfg, num_pages, page_size)` ({"k"|"v": (shape,
+PartitionSpec)}), `prepare(cfg, inp, page_size)` (per-step metadata, outside the layer scan),
+`write(kc, vc, layer, k, v, meta)` (k, v [T, KVH, D]), `attend(q, kc, vc, layer, meta)` (q [T, KVH,
+G, D] -> same shape; token t sees its row's keys at positions < kv_limit[t] and inside the sliding
+window; padding tokens' outputs are discarded) and `copy_page(cfg, kc, vc, src, dst, page_size)`.
 `LlamaConfig.attention_backend` names it (default `reference`; GenerateWorker sets it from
 `--attention-backend` through `resolve()`); the runner and `llama.forward` both ask `get()`.
 

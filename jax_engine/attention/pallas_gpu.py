@@ -1,24 +1,40 @@
-"""GPU attention: Pallas (Triton) kernels over a GPU-owned paged KV layout.
+"""GPU attention: Pallas (Triton) kernels over a GPU-owned paged KV layout, per query token.
 
 Layout (chosen so no step ever copies or transposes the cache): k and v are each
 [KVH, L * num_pages, page_size, D], layer l's page p at index l * num_pages + p, KV heads sharded
 over mesh axis "model". That is exactly `paged_attention`'s [num_kv_heads, total_num_pages,
 page_size, head_dim] with the layers folded into the page axis, so every layer hands the whole
-buffer to the kernel and offsets its block table by l * num_pages. The alternative -- keeping the
+buffer to the kernel and offsets its block tables by l * num_pages. The alternative -- keeping the
 reference's [L, pages * page_size, KVH, D] and transposing inside the wrapper -- copies a layer's
 entire cache per layer per step (O(cache), not O(tokens attended)), and slicing one layer out of a
 stacked [L, KVH, pages, ...] cache inside the layer scan copies it just the same.
 
-  decode (Tq == 1, no sliding window that can bite within the row's pages):
-      jax.experimental.pallas.ops.gpu.paged_attention; q is pre-scaled by 1/sqrt(D) (the kernel
-      has no softmax scale); lengths = kv_lens (0 for padding rows -> output 0), which is causal
-      because a decode row's kv_len is its position + 1 (the runner's decode rows).
-  prefill, and decode with a sliding window shorter than the row's page span:
-      the row's pages are gathered (XLA) into [KVH, B, S, D] and an own Pallas flash kernel runs
-      over them: grid (row, KV head, query block), query rows are (token, group) pairs of one KV
-      head (GQA without repeating K/V), each query row attends keys in [lo, hi) with
-      hi = min(position + 1, kv_len) and lo = position - window + 1 (or 0); only the key blocks
-      that some query row of the block can see are visited.
+Ragged step (llama.StepInputs): every query token -- a decode row's one token or any token of a
+prefill chunk -- is its own attention problem over its row's pages, keys at positions
+s < kv_limit (= position + 1: causal over earlier pages and its own chunk) and, with a sliding
+window w, s > position - w. Padding tokens (kv_limit 0) get zeros. Which kernel runs is decided at
+trace time by the model alone, never by the step's mix of decode and prefill:
+
+  no sliding window, or one at least the page table's span (w >= P * page_size, cannot bite):
+      jax.experimental.pallas.ops.gpu.paged_attention with every TOKEN as its own "sequence":
+      q [T, H, D] pre-scaled by 1/sqrt(D) (the kernel has no softmax scale), block_tables = each
+      token's row's page table offset to the layer, lengths = kv_limit -- exactly causal, and 0
+      for padding tokens (-> zeros). The kernel reads only the pages below a token's length, in
+      place (the table is padded to a power-of-two k-split layout; pages past the length are never
+      touched).
+  a sliding window shorter than the span (Mistral):
+      our own Pallas kernel `_window_call`, the same per-token paged loop with a lower bound:
+      each token gets a block table of just the pages its window can touch ((w - 1) // page_size
+      + 2 of them, starting at the page of position - w + 1; int32 indices only, gathered by XLA)
+      and streams those pages from the cache in place, masking keys to [position - w + 1,
+      kv_limit); grid (token, KV head), the token's G query heads of a KV head are one tile (GQA
+      without repeating K/V), online softmax over blocks of `block_k` keys.
+
+Neither path gathers keys: a token reads at most its own keys (or its window), so the cost does
+not grow with the page table's width and the runner compiles one page bucket (`page_buckets =
+False`). The price of treating each token alone: a prefill chunk of n tokens reads its keys n
+times (O(n^2 / 2) key reads, mostly from L2) instead of once per query block as a ragged flash
+kernel would; that kernel is the next step if prefill-heavy GPU steps turn out memory bound.
 
 Limits: head_dim and page_size must be powers of two >= 16 (Triton block shapes and tl.dot
 minimums); `unsupported()` says so at start-up and `auto` then falls back to the reference.
@@ -39,38 +55,38 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 NEG = -1e30
+MAX_K_SPLITS = 16       # paged_attention's partitions of a token's pages (its default)
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two <= cap that divides n."""
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass
 class Meta:
-    slots: jax.Array        # [B * Tq]
-    page_table: jax.Array   # [B, P]
-    kv_lens: jax.Array      # [B]
-    positions: jax.Array    # [B, Tq]
+    slots: jax.Array        # [T] flat slot each new token writes
+    table: jax.Array        # [T, P] the page table of each token's row
+    positions: jax.Array    # [T]
+    kv_limit: jax.Array     # [T] keys visible to each token (position + 1; 0 for padding)
     num_layers: int
     page_size: int
-    window: Optional[int]
+    window: int             # 0 = none
     scale: float
 
 
 class PallasGPU:
     name = "pallas_gpu"
+    # both kernels read only the pages a token needs, in place: one page bucket
+    page_buckets = False
 
-    def __init__(self, interpret: bool = False, block_q: int = 64, block_k: int = 64):
+    def __init__(self, interpret: bool = False, block_k: int = 128):
+        """block_k: keys per compute block of either kernel (rounded to whole pages)."""
         self.interpret = interpret
-        self.block_q, self.block_k = block_q, block_k
+        self.block_k = block_k
 
     # ------------------------------------------------------------------ layout
     def unsupported(self, cfg: Any, page_size: int, dtype: Any) -> Optional[str]:
@@ -87,18 +103,18 @@ class PallasGPU:
         return {"k": (shape, spec), "v": (shape, spec)}
 
     def prepare(self, cfg: Any, inp: Any, page_size: int) -> Meta:
-        return Meta(slots=inp.slots.reshape(-1), page_table=inp.page_table, kv_lens=inp.kv_lens,
-                    positions=inp.positions, num_layers=cfg.num_layers, page_size=page_size,
-                    window=cfg.sliding_window or None, scale=1.0 / math.sqrt(cfg.head_dim))
+        return Meta(slots=inp.slots, table=inp.page_table[inp.rows], positions=inp.positions,
+                    kv_limit=inp.kv_limit, num_layers=cfg.num_layers, page_size=page_size,
+                    window=int(cfg.sliding_window or 0), scale=1.0 / math.sqrt(cfg.head_dim))
 
     def write(self, kc: jax.Array, vc: jax.Array, li: jax.Array, k: jax.Array, v: jax.Array,
               m: Meta) -> tuple[jax.Array, jax.Array]:
-        B, Tq, kvh, D = k.shape
+        """k, v [T, KVH, D] of this step's tokens into layer li."""
         n = kc.shape[1] // m.num_layers
         page = li * n + m.slots // m.page_size
         off = m.slots % m.page_size
-        kc = kc.at[:, page, off].set(k.reshape(B * Tq, kvh, D).transpose(1, 0, 2).astype(kc.dtype))
-        vc = vc.at[:, page, off].set(v.reshape(B * Tq, kvh, D).transpose(1, 0, 2).astype(vc.dtype))
+        kc = kc.at[:, page, off].set(k.transpose(1, 0, 2).astype(kc.dtype))
+        vc = vc.at[:, page, off].set(v.transpose(1, 0, 2).astype(vc.dtype))
         return kc, vc
 
     def copy_page(self, cfg: Any, kc: jax.Array, vc: jax.Array, src: jax.Array, dst: jax.Array,
@@ -109,67 +125,67 @@ class PallasGPU:
 
     # ------------------------------------------------------------------ attention
     def attend(self, q: jax.Array, kc: jax.Array, vc: jax.Array, li: jax.Array, m: Meta) -> jax.Array:
-        B, Tq, kvh, G, D = q.shape
-        Pn = m.page_table.shape[1]
-        n = kc.shape[1] // m.num_layers
-        table = m.page_table + li * n
-        window_bites = m.window is not None and m.window < Pn * m.page_size
-        if Tq == 1 and not window_bites:
-            return self._decode(q, kc, vc, table, m)
-        return self._flash(q, kc, vc, table, m)
+        """q [T, KVH, G, D] (RoPE applied) -> attention output [T, KVH, G, D] in q.dtype."""
+        base = li * (kc.shape[1] // m.num_layers)               # the layer's first page
+        if m.window and m.window < m.table.shape[1] * m.page_size:
+            return self._windowed(q, kc, vc, base, m)
+        return self._paged(q, kc, vc, base, m)
 
-    def _decode(self, q, kc, vc, table, m: Meta) -> jax.Array:
+    def _pages_per_block(self, ps: int, width: int) -> int:
+        return min(max(1, self.block_k // ps), _next_pow2(width))
+
+    def _paged(self, q, kc, vc, base, m: Meta) -> jax.Array:
+        """Every token its own paged_attention sequence: its row's pages, length kv_limit."""
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-        B, _, kvh, G, D = q.shape
-        Pn = table.shape[1]
-        ppcb = _pow2_divisor(Pn, 8)                      # pages per compute block (block_k = ppcb * page_size)
-        splits = max(d for d in range(1, 17) if (Pn // ppcb) % d == 0)
-        qs = (q.astype(jnp.float32) * m.scale).astype(q.dtype).reshape(B, kvh * G, D)
-        o = paged_attention(qs, kc, vc, table, m.kv_lens, block_h=16, pages_per_compute_block=ppcb,
-                            k_splits=splits, interpret=self.interpret)
-        return o.reshape(B, 1, kvh, G, D).astype(q.dtype)
+        T, kvh, G, D = q.shape
+        Pn = m.table.shape[1]
+        ppcb = self._pages_per_block(m.page_size, Pn)
+        nblocks = -(-Pn // ppcb)
+        splits = min(MAX_K_SPLITS, nblocks)
+        part = ppcb * _next_pow2(-(-nblocks // splits))     # pages per k-split, a power of two
+        table = jnp.pad(m.table, ((0, 0), (0, splits * part - Pn))) + base
+        qs = (q.astype(jnp.float32) * m.scale).astype(kc.dtype).reshape(T, kvh * G, D)
+        o = paged_attention(qs, kc, vc, table, m.kv_limit.astype(jnp.int32), block_h=16,
+                            pages_per_compute_block=ppcb, k_splits=splits, interpret=self.interpret)
+        return o.reshape(T, kvh, G, D).astype(q.dtype)
 
-    def _flash(self, q, kc, vc, table, m: Meta) -> jax.Array:
-        B, Tq, kvh, G, D = q.shape
-        Pn = table.shape[1]
-        S = Pn * m.page_size
-        keys = kc[:, table].reshape(kvh, B, S, D)        # the rows' pages, in position order
-        vals = vc[:, table].reshape(kvh, B, S, D)
-        R = Tq * G
-        bq = min(self.block_q, max(16, 1 << (R - 1).bit_length()))
-        Rp = -(-R // bq) * bq
-        bk = m.page_size * _pow2_divisor(Pn, max(1, self.block_k // m.page_size))
-        # one query row per (token, group) pair of a KV head; its visible keys are [lo, hi)
-        pos = m.positions
-        hi = jnp.minimum(pos + 1, m.kv_lens[:, None])
-        lo = jnp.maximum(pos - m.window + 1, 0) if m.window else jnp.zeros_like(pos)
-        lo = jnp.where(hi > lo, lo, S)                   # rows that see nothing don't widen the key range
-        hi = jnp.where(hi > lo, hi, 0)
-        lo = jnp.pad(jnp.repeat(lo, G, axis=1), ((0, 0), (0, Rp - R)), constant_values=S)
-        hi = jnp.pad(jnp.repeat(hi, G, axis=1), ((0, 0), (0, Rp - R)))
-        qr = q.transpose(0, 2, 1, 3, 4).reshape(B, kvh, R, D)
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
-        o = _flash_call(qr, keys, vals, lo.astype(jnp.int32), hi.astype(jnp.int32), scale=m.scale,
-                        block_q=bq, block_k=bk, interpret=self.interpret)
-        return o[:, :, :R].reshape(B, kvh, Tq, G, D).transpose(0, 2, 1, 3, 4)
+    def _windowed(self, q, kc, vc, base, m: Meta) -> jax.Array:
+        """Every token over just the pages its sliding window touches, masked to [lo, hi)."""
+        T, kvh, G, D = q.shape
+        ps, w, Pn = m.page_size, m.window, m.table.shape[1]
+        span = min(Pn, (w - 1) // ps + 2)                        # pages a window of w keys can touch
+        ppb = self._pages_per_block(ps, span)
+        width = max(ppb, _next_pow2(span))                       # a power of two, a multiple of ppb
+        hi = m.kv_limit.astype(jnp.int32)
+        lo = jnp.maximum(m.positions.astype(jnp.int32) - w + 1, 0)
+        sees = hi > lo
+        lo, hi = jnp.where(sees, lo, 0), jnp.where(sees, hi, 0)  # a token that sees nothing: empty loop
+        first = lo // ps
+        cols = first[:, None] + jnp.arange(width, dtype=jnp.int32)
+        table = jnp.take_along_axis(jnp.pad(m.table, ((0, 0), (0, width))), cols, axis=1) + base
+        Gp = max(16, _next_pow2(G))                              # tl.dot wants >= 16 rows
+        qp = jnp.pad(q.astype(kc.dtype), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+        o = _window_call(qp, kc, vc, table.astype(jnp.int32), lo - first * ps, hi - first * ps, scale=m.scale,
+                         pages_per_block=ppb, interpret=self.interpret)
+        return o[:, :, :G].astype(q.dtype)
 
 
-def _flash_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, *, scale: float, block_k: int):
-    q = q_ref[...]                                           # [bq, D]
-    lo = lo_ref[...]                                         # [bq]
-    hi = hi_ref[...]
-    bq, D = q.shape
-    start = jnp.min(lo) // block_k
-    end = (jnp.max(hi) + block_k - 1) // block_k
+def _window_kernel(q_ref, k_ref, v_ref, tab_ref, lo_ref, hi_ref, o_ref, *, scale: float, pages_per_block: int):
+    q = q_ref[...]                                           # [Gp, D]: one token's heads of one KV head
+    Gp, D = q.shape
+    block_k = pages_per_block * k_ref.shape[-2]
+    lo = lo_ref[0]                                           # visible keys [lo, hi), relative to the
+    hi = hi_ref[0]                                           # token's first table page
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
-        ks = k_ref[pl.ds(j * block_k, block_k), :]
-        vs = v_ref[pl.ds(j * block_k, block_k), :]
-        s = plgpu.dot(q, ks, trans_b=True) * scale           # [bq, bk] float32
-        kpos = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (bq, block_k), 1)
-        mask = (kpos >= lo[:, None]) & (kpos < hi[:, None])
+        pages = tab_ref[pl.ds(j * pages_per_block, pages_per_block)]
+        ks = k_ref[pages].reshape(block_k, D)
+        vs = v_ref[pages].reshape(block_k, D)
+        s = plgpu.dot(q, ks, trans_b=True) * scale           # [Gp, bk] float32
+        kpos = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (Gp, block_k), 1)
+        mask = (kpos >= lo) & (kpos < hi)
         s = jnp.where(mask, s, NEG)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp(m_prev - m_next)
@@ -178,29 +194,31 @@ def _flash_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, *, scale: float, b
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(vs.dtype), vs)
         return acc, m_next, l_next
 
-    init = (jnp.zeros((bq, D), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(start, end, body, init)
+    init = (jnp.zeros((Gp, D), jnp.float32), jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(lo // block_k, (hi + block_k - 1) // block_k, body, init)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret"))
-def _flash_call(q, k, v, lo, hi, *, scale: float, block_q: int, block_k: int, interpret: bool):
-    """q [B, KVH, Rp, D]; k, v [KVH, B, S, D]; lo, hi [B, Rp] -> [B, KVH, Rp, D]."""
-    B, kvh, Rp, D = q.shape
-    S = k.shape[2]
+@functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "interpret"))
+def _window_call(q, k, v, table, lo, hi, *, scale: float, pages_per_block: int, interpret: bool):
+    """q [T, KVH, Gp, D]; k, v [KVH, pages, page_size, D]; table [T, W]; lo, hi [T] -> [T, KVH, Gp, D]."""
+    T, kvh, Gp, D = q.shape
+    _, N, ps, _ = k.shape
+    W = table.shape[1]
     return pl.pallas_call(
-        functools.partial(_flash_kernel, scale=scale, block_k=block_k),
-        grid=(B, kvh, Rp // block_q),
+        functools.partial(_window_kernel, scale=scale, pages_per_block=pages_per_block),
+        grid=(T, kvh),
         in_specs=[
-            pl.BlockSpec((None, None, block_q, D), lambda b, h, i: (b, h, i, 0)),
-            pl.BlockSpec((None, None, S, D), lambda b, h, i: (h, b, 0, 0)),
-            pl.BlockSpec((None, None, S, D), lambda b, h, i: (h, b, 0, 0)),
-            pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),
-            pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),
+            pl.BlockSpec((None, None, Gp, D), lambda t, h: (t, h, 0, 0)),
+            pl.BlockSpec((None, N, ps, D), lambda t, h: (h, 0, 0, 0)),
+            pl.BlockSpec((None, N, ps, D), lambda t, h: (h, 0, 0, 0)),
+            pl.BlockSpec((None, W), lambda t, h: (t, 0)),
+            pl.BlockSpec((1,), lambda t, h: (t,)),
+            pl.BlockSpec((1,), lambda t, h: (t,)),
         ],
-        out_specs=pl.BlockSpec((None, None, block_q, D), lambda b, h, i: (b, h, i, 0)),
+        out_specs=pl.BlockSpec((None, None, Gp, D), lambda t, h: (t, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-        name="xlaserve_flash_prefill",
-    )(q, k, v, lo, hi)
+        name="xlaserve_window_attention",
+    )(q, k, v, table, lo, hi)

@@ -8,11 +8,12 @@ DMAs only the pages it needs) with page indices offset by l * num_pages, so no s
 slices or re-interleaves the cache; keeping separate K and V would re-interleave all of it per
 layer per step.
 
-Metadata: the kernel takes a ragged token list and assumes a sequence's queries are the LAST
-q_len of its kv_len. Our rows are [B, Tq] with real tokens first and padding after (padding rows
-have kv_len 0), so q_len[b] = kv_len[b] - positions[b, 0] (clipped to [0, Tq]); rows with
-queries are ordered first (num_seqs of them), their real tokens are compacted into [B * Tq, H, D]
-at cu_q_lens offsets, and the output is scattered back (padding tokens get zeros).
+Metadata: the kernel takes exactly the ragged step's layout (llama.StepInputs): a flat token
+list with each row's queries contiguous at cu_q_lens offsets, real rows first (num_seqs of them),
+and a row's queries the LAST q_len of its kv_len (a chunk ends at the row's kv length). So q goes
+to the kernel as it is, with the rows' page tables offset to the layer; padding tokens (after
+cu_q_lens[num_seqs]) get zeros. The kernel reads only the pages it needs, so the page table's
+width costs nothing (`page_buckets = False`).
 
 Tested on CPU against the kernel module's own `ref_ragged_paged_attention` (same layout and
 metadata, pure JAX); the Mosaic kernel itself does not run in TPU interpret mode on CPU with
@@ -33,12 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 @dataclass
 class Meta:
-    slots: jax.Array        # [B * Tq]
-    page_table: jax.Array   # [B, P] (rows in kernel order)
-    kv_lens: jax.Array      # [B]    (rows in kernel order)
-    cu_q_lens: jax.Array    # [B + 1]
+    slots: jax.Array        # [T]
+    page_table: jax.Array   # [R, P]
+    kv_lens: jax.Array      # [R]
+    cu_q_lens: jax.Array    # [R + 1]
     num_seqs: jax.Array     # [1]
-    dest: jax.Array         # [B * Tq] index of each token in the ragged list (B * Tq = dropped)
     num_layers: int
     page_size: int
     window: Optional[int]
@@ -47,6 +47,7 @@ class Meta:
 
 class PallasTPU:
     name = "pallas_tpu"
+    page_buckets = False
 
     def __init__(self, interpret: bool = False, kernel: Optional[Callable] = None,
                  block_sizes: Optional[tuple[int, int]] = None):
@@ -75,23 +76,15 @@ class PallasTPU:
         return {"k": (shape, P(None, None, "model", None)), "v": ((0,), P())}
 
     def prepare(self, cfg: Any, inp: Any, page_size: int) -> Meta:
-        B, Tq = inp.tokens.shape
-        q_len = jnp.clip(inp.kv_lens - inp.positions[:, 0], 0, Tq).astype(jnp.int32)
-        order = jnp.argsort(q_len == 0, stable=True)           # rows with queries first
-        rank = jnp.argsort(order)                               # row b's place in kernel order
-        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len[order]).astype(jnp.int32)])
-        t = jnp.arange(Tq)[None, :]
-        dest = jnp.where(t < q_len[:, None], cu[rank][:, None] + t, B * Tq).reshape(-1)
-        return Meta(slots=inp.slots.reshape(-1), page_table=inp.page_table[order], kv_lens=inp.kv_lens[order],
-                    cu_q_lens=cu, num_seqs=jnp.sum(q_len > 0).astype(jnp.int32)[None], dest=dest,
-                    num_layers=cfg.num_layers, page_size=page_size, window=cfg.sliding_window or None,
-                    scale=1.0 / math.sqrt(cfg.head_dim))
+        return Meta(slots=inp.slots, page_table=inp.page_table, kv_lens=inp.kv_lens, cu_q_lens=inp.cu_q_lens,
+                    num_seqs=inp.num_rows, num_layers=cfg.num_layers, page_size=page_size,
+                    window=cfg.sliding_window or None, scale=1.0 / math.sqrt(cfg.head_dim))
 
     def write(self, kc: jax.Array, vc: jax.Array, li: jax.Array, k: jax.Array, v: jax.Array,
               m: Meta) -> tuple[jax.Array, jax.Array]:
-        B, Tq, kvh, D = k.shape
+        T, kvh, D = k.shape
         n = kc.shape[0] // m.num_layers
-        kv = jnp.stack([k, v], axis=3).reshape(B * Tq, 2 * kvh, D).astype(kc.dtype)   # K, V interleaved
+        kv = jnp.stack([k, v], axis=2).reshape(T, 2 * kvh, D).astype(kc.dtype)   # K, V interleaved
         return kc.at[li * n + m.slots // m.page_size, m.slots % m.page_size].set(kv), vc
 
     def copy_page(self, cfg: Any, kc: jax.Array, vc: jax.Array, src: jax.Array, dst: jax.Array,
@@ -101,10 +94,8 @@ class PallasTPU:
 
     # ------------------------------------------------------------------ attention
     def attend(self, q: jax.Array, kc: jax.Array, vc: jax.Array, li: jax.Array, m: Meta) -> jax.Array:
-        B, Tq, kvh, G, D = q.shape
-        BT, H = B * Tq, kvh * G
+        T, kvh, G, D = q.shape
         n = kc.shape[0] // m.num_layers
-        qf = jnp.zeros((BT, H, D), q.dtype).at[m.dest].set(q.reshape(BT, H, D), mode="drop")
         kw = {}
         if self.block_sizes is not None:
             kw = dict(num_kv_pages_per_block=self.block_sizes[0], num_queries_per_block=self.block_sizes[1])
@@ -117,8 +108,8 @@ class PallasTPU:
             from jax.experimental.pallas import tpu as pltpu
             ctx = pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
         with ctx:
-            out = kernel(qf, kc, m.kv_lens, m.page_table + li * n, m.cu_q_lens, m.num_seqs,
+            out = kernel(q.reshape(T, kvh * G, D), kc, m.kv_lens, m.page_table + li * n, m.cu_q_lens, m.num_seqs,
                          sm_scale=m.scale, sliding_window=m.window, **kw)
-        out = jnp.pad(out, ((0, BT - out.shape[0]), (0, 0), (0, 0)))   # the reference returns only real tokens
-        got = jnp.where((m.dest < BT)[:, None, None], out[jnp.minimum(m.dest, BT - 1)], 0)
-        return got.reshape(B, Tq, kvh, G, D).astype(q.dtype)
+        out = jnp.pad(out, ((0, T - out.shape[0]), (0, 0), (0, 0)))     # the reference returns only real tokens
+        real = jnp.arange(T) < m.cu_q_lens[m.num_seqs[0]]
+        return jnp.where(real[:, None, None], out, 0).reshape(T, kvh, G, D).astype(q.dtype)

@@ -25,13 +25,15 @@ def prompt_logits(runner, prompt: list[int]) -> np.ndarray:
     pages = np.arange(1, P + 1, dtype=np.int32)
     pos = np.arange(T, dtype=np.int32)
     slots = pages[pos // ps] * ps + pos % ps
+    inp = StepInputs(jnp.array(prompt, jnp.int32), jnp.asarray(pos), jnp.asarray(slots), jnp.zeros(T, jnp.int32),
+                     jnp.asarray(pos + 1), jnp.asarray(pages[None]), jnp.array([T], jnp.int32),
+                     jnp.array([0, T], jnp.int32), jnp.array([1], jnp.int32))
 
     @jax.jit
-    def f(params, k, v, tokens, positions, slots, table, kv_lens):
-        h, _, _ = llama.forward(params, cfg, k, v, StepInputs(tokens, positions, slots, table, kv_lens), ps)
-        return llama.lm_head(params, cfg, h[0])
+    def f(params, k, v, inp):
+        h, _, _ = llama.forward(params, cfg, k, v, inp, ps)
+        return llama.lm_head(params, cfg, h)
 
     k = jnp.zeros_like(runner.state["k"])
     v = jnp.zeros_like(runner.state["v"])
-    return np.asarray(f(runner.params, k, v, jnp.array([prompt], jnp.int32), pos[None], slots[None], pages[None],
-                        jnp.array([T], jnp.int32)))
+    return np.asarray(f(runner.params, k, v, inp))

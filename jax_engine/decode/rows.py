@@ -1,8 +1,7 @@
-"""The typed rows a scheduler hands its ModelRunner: one per decoding sequence, with its sampling."""
+"""The typed rows a scheduler hands its ModelRunner for one ragged step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
@@ -23,15 +22,23 @@ class SamplingRow:
 
 
 @dataclass
-class DecodeRow:
-    """One running sequence in a decode step."""
+class SampleRow:
+    """A token to draw from a step row's last logits, for the sequence owning penalty slot `slot_id`
+    (a prompt's n > 1 sequences draw their first tokens from the same row)."""
 
-    token: int                          # the last token, whose KV this step writes
-    position: int                       # its position
-    kv_slot: int                        # its cell in the paged KV cache (page * page_size + offset)
-    pages: list[int]                    # the sequence's page table
-    slot_id: int                        # its row of the penalty state
-    sampling: Optional[SamplingRow] = None
+    slot_id: int
+    sampling: SamplingRow
 
 
-ROW_TYPES = {t.__name__: t for t in (SamplingRow, DecodeRow)}   # multihost.decode rebuilds these
+@dataclass
+class StepRow:
+    """One sequence's query tokens in a ragged step: a running sequence's last token (decode) or
+    a chunk of its prompt (prefill), whose KV the step writes at positions start, start + 1, ..."""
+
+    tokens: list[int]
+    start: int                          # position of tokens[0]
+    pages: list[int]                    # the sequence's page table (covers start + len(tokens))
+    samples: list[SampleRow] = field(default_factory=list)   # none for a chunk that does not end a prompt
+
+
+ROW_TYPES = {t.__name__: t for t in (SamplingRow, SampleRow, StepRow)}   # multihost.decode rebuilds these

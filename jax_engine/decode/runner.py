@@ -1,13 +1,25 @@
 """The decoder's compiled programs and device state; the single owner of static shapes.
 
 Programs (each compiled ahead of time per bucket at warmup, looked up through ProgramCache):
-  decode_{greedy,sample}[B, P]  one token for each of B rows, with sampling fused in
-  prefill[Bp, T, P]             chunks of up to T tokens of Bp sequences (Bp * T <= the token
-                                budget); last-token logits and hidden states of every row
-  first_{greedy,sample}[R]      the first token(s) of a prompt (R = n > 1 samples) from its logits
-  prompt_logprobs[T]            logprobs of the next prompt token at every position of a chunk
-  copy_page                     copy-on-write of a partially filled page for n > 1 forks
-  set_slot                      (re)initialise a row of the penalty state
+  step[T, P]                  ONE ragged step: T query tokens (every running sequence's next
+                              token and prefill chunks, flat) over R = min(T, max_running) rows
+                              with P-page tables: writes their KV, attends, and returns the raw
+                              logits of every sample row (a decode row, a chunk that ends a prompt,
+                              n > 1 forks of it) and the T final hidden states (prompt logprobs,
+                              embeddings), all left on the device
+  draw_{greedy,sample}[R]     penalties, logit bias, bans, the draw, logprobs and the penalty-count
+                              update over the step's R rows of raw logits (dispatched right after
+                              the step; nothing crosses to the host between them)
+  prompt_logprobs[T]          logprobs of the next prompt token at every position of a chunk
+  copy_page                   copy-on-write of a partially filled page for n > 1 forks
+  set_slot                    (re)initialise a row of the penalty state
+Why the draw is its own program: fused into the step, the sampling tail made every step program
+compile 3x slower (demo model, T = 16: 0.84 s greedy vs 2.51 s sampling) and doubled their count
+(a greedy and a sampling variant per token bucket); apart, the tail compiles once per row bucket
+and the step once per token bucket, for one extra dispatch per step.
+P has one bucket (the model's whole span) unless the attention backend's cost grows with the
+page table's width (the reference's gather: `page_buckets`), so on CPU the demo generator compiles
+10 step programs and 10 draw programs (28 with the rest) instead of the split design's 164.
 Device state (donated into every program, so it is updated in place):
   k, v   [L, num_pages * page_size, KVH, D]  the paged KV cache, page 0 reserved
   counts [slots + 1, V] int32 output-token counts; pm [slots + 1, V] prompt-token mask
@@ -31,7 +43,7 @@ from tqdm import tqdm
 
 from jax_engine import attention
 from jax_engine.decode import sampling
-from jax_engine.decode.rows import DecodeRow, SamplingRow
+from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.executor import backend
 from jax_engine.executor.compilation import ProgramCache
 from jax_engine.models import llama
@@ -51,9 +63,10 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
 
 
 def page_buckets(p_max: int, ratio: int = 2) -> list[int]:
-    """Page-count buckets p_max, p_max/ratio, ... 1. Ratio 2 wastes at most half the gathered KV
-    (ratio 4: three quarters); on CPU it made batch-16 decode at context 192 24% faster
-    (96 -> 73 ms per step) for about twice the decode programs (prefill keeps ratio 4)."""
+    """Page-count buckets p_max, p_max/ratio, ... 1, for backends whose step cost grows with the
+    page table's width (the reference gathers every token's whole bucket). Ratio 2 wastes at most
+    half the gathered KV; on CPU it made batch-16 decode at context 192 24% faster (96 -> 73 ms
+    per step) than ratio 4, for twice the programs."""
     out, b = [], p_max
     while b >= 1:
         out.append(b)
@@ -61,6 +74,20 @@ def page_buckets(p_max: int, ratio: int = 2) -> list[int]:
             break
         b = max(1, b // ratio)
     return sorted(set(out))
+
+
+@dataclass
+class StepResult:
+    """What one ragged step returns: per sample row (in the order of the rows' samples) the token,
+    its logprob and the top-N; `hidden()` fetches the [T, H] final hidden states (only prompt
+    logprobs and embeddings need them); row i's tokens are hidden rows starts[i]..."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_values: np.ndarray
+    top_ids: np.ndarray
+    starts: list[int]
+    hidden: Callable[[], np.ndarray]
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
@@ -83,9 +110,9 @@ class RunnerConfig:
     page_size: int
     num_pages: int
     max_running: int            # decode rows == penalty-state slots
-    max_batched_tokens: int     # largest prefill chunk
+    max_batched_tokens: int     # the step's token budget (decode tokens first, then prefill chunks)
     max_model_len: int
-    max_n: int                  # sample rows of the prefill program
+    max_n: int                  # most sequences per request (n)
     top_n: int                  # static top-logprobs width
     min_token_bucket: int = 16
     page_bucket_ratio: int = 2
@@ -126,16 +153,14 @@ class ModelRunner:
         self.cfg, self.params, self.rc, self.mesh = cfg, params, rc, mesh
         self.mirror: Optional[tuple[StepPublisher, str]] = None     # (channel, key) on process 0 of a slice
         self.dtype = dtype
-        self.batch_buckets = pow2_buckets(1, rc.max_running)
-        self.token_buckets = pow2_buckets(min(rc.min_token_bucket, rc.max_batched_tokens), rc.max_batched_tokens)
+        # every running row decodes in every step, so the budget is never below the row count
+        self.max_tokens = max(rc.max_batched_tokens, rc.max_running)
+        self.token_buckets = pow2_buckets(1, self.max_tokens)
+        self.lp_buckets = pow2_buckets(min(rc.min_token_bucket, self.max_tokens), self.max_tokens)
         self.p_max = math.ceil(rc.max_model_len / rc.page_size)
-        self.page_buckets = page_buckets(self.p_max, rc.page_bucket_ratio)
-        # Prefill is compute-bound on its T tokens, so padding its gather costs little there, while
-        # every prefill page bucket multiplies the (rows, tokens) grid: keep those coarse (x4).
-        self.prefill_page_buckets = page_buckets(self.p_max, max(4, rc.page_bucket_ratio))
-        self.sample_buckets = sorted({1, rc.max_n})
-        self.prefill_batch_buckets = [b for b in self.batch_buckets
-                                      if b * self.token_buckets[0] <= rc.max_batched_tokens]
+        be = attention.get(cfg.attention_backend)
+        self.page_buckets = page_buckets(self.p_max, rc.page_bucket_ratio) if be.page_buckets else [self.p_max]
+        self.row_buckets = sorted({self.rows_for(t) for t in self.token_buckets})
         self.dummy_slot = rc.max_running
         self.programs = ProgramCache("decoder")
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests inject step failures here
@@ -174,35 +199,28 @@ class ModelRunner:
         return 2 * c.num_layers * self.rc.page_size * c.num_kv_heads * c.kv_repeat * c.head_dim * self.kv_dtype.itemsize
 
     # ------------------------------------------------------------------ programs
+    def rows_for(self, T: int) -> int:
+        """Rows of the step program with T tokens: every row has at least one token, and at most
+        max_running rows are admitted (a prompt's n sequences count as n)."""
+        return min(T, self.rc.max_running)
+
     def _register(self) -> None:
         cfg, ps, top_n = self.cfg, self.rc.page_size, self.rc.top_n
         # Step outputs are replicated over the mesh so any process can read them locally (multihost.py).
         rep = (lambda t: jax.lax.with_sharding_constraint(t, self._replicated)) if self.mesh is not None else (lambda t: t)
 
-        def sample_tail(raw, state, slot_ids, sa, mode):
-            """Penalties, bias, bans, the draw, logprobs, and the penalty-count update."""
+        def step(params, state, inp: StepInputs, sample_idx):
+            """The model over the step's tokens: KV written, raw logits of the sample rows, hidden states."""
+            h, k, v = llama.forward(params, cfg, state["k"], state["v"], inp, ps)
+            raw = llama.lm_head(params, cfg, h[sample_idx])                  # [R, V] float32
+            return (rep(raw), rep(h)), {**state, "k": k, "v": v}
+
+        def draw(state, raw, slot_ids, sa, *, mode):
+            """Penalties, bias, bans, the draw, logprobs, and the penalty-count update, per sample row."""
             logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
             tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
             chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
             return rep((tok, chosen, top_v, top_i)), {**state, "counts": state["counts"].at[slot_ids, tok].add(1)}
-
-        def decode(params, state, tokens, positions, slots, page_table, kv_lens, slot_ids, sa, *, mode):
-            h, k, v = llama.forward(params, cfg, state["k"], state["v"],
-                                    StepInputs(tokens[:, None], positions[:, None], slots[:, None], page_table, kv_lens), ps)
-            raw = llama.lm_head(params, cfg, h[:, 0])
-            return sample_tail(raw, {**state, "k": k, "v": v}, slot_ids, sa, mode)
-
-        def prefill(params, state, tokens, positions, slots, page_table, kv_lens, last_idx):
-            """KV for Bp chunks (one per row); each row's last raw logits and all hidden states."""
-            h, k, v = llama.forward(params, cfg, state["k"], state["v"],
-                                    StepInputs(tokens, positions, slots, page_table, kv_lens), ps)
-            last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)[:, 0]
-            return rep((llama.lm_head(params, cfg, last), h)), {**state, "k": k, "v": v}
-
-        def first_token(state, raw, slot_ids, sa, *, mode):
-            """The first token(s) after a prompt: R rows (n > 1 samples) from the same logits."""
-            R = slot_ids.shape[0]
-            return sample_tail(jnp.broadcast_to(raw[None], (R, raw.shape[0])), state, slot_ids, sa, mode)
 
         def prompt_logprobs(params, h, next_tokens):
             """Logprob (and top-N) of next_tokens[t] after position t, from the chunk's hidden states."""
@@ -219,11 +237,9 @@ class ModelRunner:
             return {**state, "pm": state["pm"].at[slot].set(pm_row), "counts": state["counts"].at[slot].set(c_row)}
 
         d = dict(donate_argnums=(1,))
-        self.programs.register("decode_greedy", jax.jit(functools.partial(decode, mode="greedy"), **d))
-        self.programs.register("decode_sample", jax.jit(functools.partial(decode, mode="sample"), **d))
-        self.programs.register("prefill", jax.jit(prefill, **d))
-        self.programs.register("first_greedy", jax.jit(functools.partial(first_token, mode="greedy"), donate_argnums=(0,)))
-        self.programs.register("first_sample", jax.jit(functools.partial(first_token, mode="sample"), donate_argnums=(0,)))
+        self.programs.register("step", jax.jit(step, **d))
+        self.programs.register("draw_greedy", jax.jit(functools.partial(draw, mode="greedy"), donate_argnums=(0,)))
+        self.programs.register("draw_sample", jax.jit(functools.partial(draw, mode="sample"), donate_argnums=(0,)))
         self.programs.register("prompt_logprobs", jax.jit(prompt_logprobs))
         self.programs.register("copy_page", jax.jit(copy_page, donate_argnums=(0,)))
         self.programs.register("set_slot", jax.jit(set_slot, donate_argnums=(0,)))
@@ -243,100 +259,85 @@ class ModelRunner:
         return exe(*args)
 
     # ------------------------------------------------------------------ steps
-    def _decode_args(self, rows: list[DecodeRow], greedy: bool) -> tuple[str, tuple, tuple]:
-        n = len(rows)
-        B = pick(self.batch_buckets, n)
-        Pb = pick(self.page_buckets, max(len(r.pages) for r in rows))
-        tokens = np.zeros(B, np.int32)
-        positions = np.zeros(B, np.int32)
-        slots = np.zeros(B, np.int32)
-        table = np.zeros((B, Pb), np.int32)
-        kv_lens = np.zeros(B, np.int32)
-        slot_ids = np.full(B, self.dummy_slot, np.int32)
-        for i, r in enumerate(rows):
-            tokens[i], positions[i], slots[i] = r.token, r.position, r.kv_slot
-            table[i, :len(r.pages)] = r.pages
-            kv_lens[i] = r.position + 1
-            slot_ids[i] = r.slot_id
-        sa = self._sa([r.sampling for r in rows], B)
-        args = (self.params, self.state, *self._put(tokens, positions, slots, table, kv_lens, slot_ids), sa)
-        return ("decode_greedy" if greedy else "decode_sample"), (B, Pb), args
-
-    @mirrored
-    def decode(self, rows: list[DecodeRow], greedy: bool) -> tuple[np.ndarray, ...]:
-        """One token for each row (a running sequence)."""
-        prog, key, args = self._decode_args(rows, greedy)
-        out, self.state = self._run(prog, key, args)
-        return tuple(_fetch(x)[:len(rows)] for x in out)
-
-    def prefill_shape(self, lens: list[int], kv_lens: list[int]) -> tuple[int, int, int]:
-        """(rows, tokens, pages) bucket for chunks of these lengths ending at these kv lengths."""
-        return (pick(self.prefill_batch_buckets, len(lens)), pick(self.token_buckets, max(lens)),
-                pick(self.prefill_page_buckets, math.ceil(max(kv_lens) / self.rc.page_size)))
-
-    def _prefill_args(self, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[str, tuple, tuple]:
-        """chunks: (tokens, start position, pages) per sequence."""
+    def step_shape(self, rows: list[StepRow]) -> tuple[int, int]:
+        """(tokens, pages) bucket of a step over these rows."""
+        n_tok = sum(len(r.tokens) for r in rows)
+        n_samples = sum(len(r.samples) for r in rows)
+        T = pick(self.token_buckets, max(1, n_tok, n_samples))
         ps = self.rc.page_size
-        Bp, T, Pb = self.prefill_shape([len(c[0]) for c in chunks], [c[1] + len(c[0]) for c in chunks])
-        tok = np.zeros((Bp, T), np.int32)
-        pos = np.zeros((Bp, T), np.int32)
-        slots = np.zeros((Bp, T), np.int32)
-        table = np.zeros((Bp, Pb), np.int32)
-        kv_lens = np.zeros(Bp, np.int32)
-        last = np.zeros(Bp, np.int32)
-        for i, (tokens, start, pages) in enumerate(chunks):
-            n = len(tokens)
-            tok[i, :n] = tokens
-            p = np.arange(start, start + n)
-            pos[i, :n] = p
-            slots[i, :n] = np.asarray(pages, np.int32)[p // ps] * ps + p % ps
-            table[i, :len(pages)] = pages[:Pb]
-            kv_lens[i] = start + n
-            last[i] = n - 1
-        args = (self.params, self.state, *self._put(tok, pos, slots, table, kv_lens, last))
-        return "prefill", (Bp, T, Pb), args
+        need = max((math.ceil((r.start + len(r.tokens)) / ps) for r in rows), default=1)
+        return T, pick(self.page_buckets, need)
 
-    def _first_args(self, raw: np.ndarray, sample_rows: list[Optional[SamplingRow]],
-                    slot_ids: list[int]) -> tuple[str, tuple, tuple]:
-        R = pick(self.sample_buckets, len(sample_rows))
-        sid = np.full(R, self.dummy_slot, np.int32)
-        sid[:len(slot_ids)] = slot_ids
-        rows: list[Optional[SamplingRow]] = [*sample_rows, *[None] * (R - len(sample_rows))]
-        greedy = all(r is None or r.temperature <= 0 for r in rows)
-        args = (self.state, jax.device_put(raw, self._replicated), self._put(sid)[0], self._sa(rows, R))
-        return ("first_greedy" if greedy else "first_sample"), (R,), args
-
-    @mirrored
-    def prefill(self, chunks: list[tuple[list[int], int, list[int]]]) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
-        """Compute the KV of several sequences' chunks in one program.
-
-        Returns the last-token logits [rows, V] on the host and a function fetching the hidden
-        states [rows, T, H] (only prompt logprobs and embeddings need them). Rows are sliced on
-        the host: slicing on the device would compile a small program per shape.
-        """
-        prog, key, args = self._prefill_args(chunks)
-        (raw, h), self.state = self._run(prog, key, args)
-        return _fetch(raw), lambda: _fetch(h)
-
-    @mirrored
-    def first_tokens(self, raw_row: np.ndarray, sample_rows: list[SamplingRow], slot_ids: list[int]) -> tuple[np.ndarray, ...]:
-        """Sample the first token of each of a prompt's n sequences from its last logits."""
-        prog, key, args = self._first_args(raw_row, sample_rows, slot_ids)
-        out, self.state = self._run(prog, key, args)
-        return tuple(_fetch(x)[:len(sample_rows)] for x in out)
+    def _step_args(self, rows: list[StepRow], greedy: bool) -> tuple[tuple, tuple, tuple]:
+        """(step key, step args, draw args without the state and raw logits)."""
+        ps = self.rc.page_size
+        T, Pb = self.step_shape(rows)
+        R = self.rows_for(T)
+        if len(rows) > R:
+            raise ValueError(f"{len(rows)} rows exceed the step's {R}")
+        tokens = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slots = np.zeros(T, np.int32)
+        row_of = np.zeros(T, np.int32)
+        kv_limit = np.zeros(T, np.int32)
+        table = np.zeros((R, Pb), np.int32)
+        kv_lens = np.zeros(R, np.int32)
+        cu = np.zeros(R + 1, np.int32)
+        sample_idx = np.zeros(R, np.int32)
+        slot_ids = np.full(R, self.dummy_slot, np.int32)
+        samp: list[Optional[SamplingRow]] = [None] * R
+        t = j = 0
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            end = r.start + n
+            used = math.ceil(end / ps)
+            pages = np.asarray(r.pages[:used], np.int32)
+            pos = np.arange(r.start, end, dtype=np.int32)
+            tokens[t:t + n] = r.tokens
+            positions[t:t + n] = pos
+            slots[t:t + n] = pages[pos // ps] * ps + pos % ps
+            row_of[t:t + n] = i
+            kv_limit[t:t + n] = pos + 1
+            table[i, :used] = pages
+            kv_lens[i] = end
+            for s in r.samples:
+                sample_idx[j], slot_ids[j], samp[j] = t + n - 1, s.slot_id, s.sampling
+                j += 1
+            t += n
+            cu[i + 1] = t
+        cu[len(rows) + 1:] = t
+        inp = StepInputs(*self._put(tokens, positions, slots, row_of, kv_limit, table, kv_lens, cu,
+                                    np.array([len(rows)], np.int32)))
+        sample_idx, slot_ids = self._put(sample_idx, slot_ids)
+        return (T, Pb), (self.params, self.state, inp, sample_idx), (slot_ids, self._sa(samp, R))
 
     @mirrored
-    def prompt_logprobs(self, h_row: np.ndarray, next_tokens: list[int], n: int) -> tuple[np.ndarray, ...]:
-        """Per position t < n: logprob and top-N of next_tokens[t]."""
-        return tuple(_fetch(x)[:n] for x in self._prompt_lp(h_row, next_tokens))
+    def step(self, rows: list[StepRow], greedy: bool) -> StepResult:
+        """One ragged step over `rows` (decode rows and prefill chunks together)."""
+        key, args, draw_args = self._step_args(rows, greedy)
+        (raw, h), self.state = self._run("step", key, args)
+        R = raw.shape[0]
+        (tok, lp, top_v, top_i), self.state = self._run("draw_greedy" if greedy else "draw_sample", (R,),
+                                                        (self.state, raw, *draw_args))
+        n = sum(len(r.samples) for r in rows)
+        starts = np.cumsum([0] + [len(r.tokens) for r in rows])[:-1].tolist()
+        return StepResult(_fetch(tok)[:n], _fetch(lp)[:n], _fetch(top_v)[:n], _fetch(top_i)[:n], starts,
+                          lambda: _fetch(h))
 
-    def _prompt_lp_args(self, h: jax.Array, next_tokens: list[int]) -> tuple:
-        nxt = np.zeros(h.shape[0], np.int32)
-        nxt[:len(next_tokens)] = next_tokens
-        return (self.params, jax.device_put(h, self._replicated), self._put(nxt)[0])
+    @mirrored
+    def prompt_logprobs(self, h_rows: np.ndarray, next_tokens: list[int], n: int) -> tuple[np.ndarray, ...]:
+        """Per position t < n of a chunk whose hidden states are h_rows [n, H]: logprob and top-N of
+        next_tokens[t]."""
+        Tb = pick(self.lp_buckets, n)
+        args = self._prompt_lp_args(h_rows, next_tokens, Tb)
+        return tuple(_fetch(x)[:n] for x in self._run("prompt_logprobs", (Tb,), args))
 
-    def _prompt_lp(self, h: jax.Array, next_tokens: list[int]):
-        return self._run("prompt_logprobs", (h.shape[0],), self._prompt_lp_args(h, next_tokens))
+    def _prompt_lp_args(self, h_rows: np.ndarray, next_tokens: list[int], Tb: int) -> tuple:
+        h = np.zeros((Tb, h_rows.shape[-1]), h_rows.dtype)
+        h[:len(h_rows)] = h_rows[:Tb]
+        nxt = np.zeros(Tb, np.int32)
+        nxt[:len(next_tokens)] = next_tokens[:Tb]
+        return (self.params, *self._put(h, nxt))
 
     @mirrored
     def copy_page(self, src: int, dst: int) -> None:
@@ -361,41 +362,39 @@ class ModelRunner:
     # ------------------------------------------------------------------ warmup
     def all_keys(self) -> list[tuple[str, tuple]]:
         keys = []
-        for prog in ("decode_greedy", "decode_sample"):
-            keys += [(prog, (B, Pb)) for B in self.batch_buckets for Pb in self.page_buckets]
-        # a chunk of n tokens (bucket T: n > T/2) needs kv_len >= n, so smaller page buckets never occur
-        # rows x tokens (padding included) never exceeds the step's token budget
-        keys += [("prefill", (Bp, T, Pb)) for Bp in self.prefill_batch_buckets for T in self.token_buckets
-                 for Pb in self.prefill_page_buckets
-                 if Bp * T <= self.rc.max_batched_tokens and (2 * Pb * self.rc.page_size > T or T == self.token_buckets[0])]
-        keys += [("prompt_logprobs", (T,)) for T in self.token_buckets]
-        keys += [(prog, (R,)) for prog in ("first_greedy", "first_sample") for R in self.sample_buckets]
+        ps, mr = self.rc.page_size, self.rc.max_running
+        for T in self.token_buckets:
+            lower = max([b for b in self.token_buckets if b < T], default=0)
+            for Pb in self.page_buckets:
+                # a step needing this page bucket holds at most max_running rows of Pb * ps tokens
+                if lower < mr * Pb * ps or Pb == self.page_buckets[-1]:
+                    keys.append(("step", (T, Pb)))
+        keys += [(prog, (R,)) for prog in ("draw_greedy", "draw_sample") for R in self.row_buckets]
+        keys += [("prompt_logprobs", (T,)) for T in self.lp_buckets]
         return keys + [("copy_page", ()), ("set_slot", ())]
 
     def _example(self, prog: str, key: tuple) -> tuple:
         """Arguments with the exact shapes the serving path builds for (prog, key)."""
-        ps = self.rc.page_size
-        if prog.startswith("decode"):
-            B, Pb = key
-            rows = [DecodeRow(token=0, position=0, kv_slot=0, pages=[0] * Pb, slot_id=self.dummy_slot)] * B
-            got = self._decode_args(rows, prog == "decode_greedy")
-        elif prog == "prefill":
-            Bp, T, Pb = key
-            n = min(T, Pb * ps)
-            got = self._prefill_args([([0] * n, Pb * ps - n, [0] * Pb)] * Bp)
-        elif prog.startswith("first"):
-            raw = np.zeros((self.cfg.vocab_size,), np.float32)
-            row = SamplingRow(temperature=0.0 if prog == "first_greedy" else 1.0)
-            got = self._first_args(raw, [row] * key[0], [self.dummy_slot] * key[0])
-        elif prog == "prompt_logprobs":
-            h = np.zeros((key[0], self.cfg.hidden_size), self.dtype)
-            return self._prompt_lp_args(h, [])
-        elif prog == "copy_page":
+        if prog.startswith("draw"):            # what step() hands the draw: the step's raw logits [R, V]
+            R = key[0]
+            raw = jax.device_put(np.zeros((R, self.cfg.vocab_size), np.float32), self._replicated)
+            rows = [SamplingRow(temperature=0.0 if prog == "draw_greedy" else 1.0)] * R
+            return (self.state, raw, *self._put(np.full(R, self.dummy_slot, np.int32)), self._sa(rows, R))
+        if prog == "step":
+            T, Pb = key
+            span = Pb * self.rc.page_size
+            k = min(self.rows_for(T), -(-T // span))         # rows of up to `span` tokens each
+            sizes = [T // k + (1 if i < T % k else 0) for i in range(k)]
+            rows = [StepRow(tokens=[0] * n, start=max(0, span - n), pages=[0] * Pb,
+                            samples=[SampleRow(self.dummy_slot, SamplingRow())]) for n in sizes]
+            got_key, args, _ = self._step_args(rows, True)
+            assert got_key == key, (got_key, key)
+            return args
+        if prog == "prompt_logprobs":
+            return self._prompt_lp_args(np.zeros((0, self.cfg.hidden_size), self.dtype), [], key[0])
+        if prog == "copy_page":
             return self._copy_args(0, 0)
-        else:
-            return self._slot_args(self.dummy_slot, [], [])
-        assert got[:2] == (prog, key), (got[:2], prog, key)
-        return got[2]
+        return self._slot_args(self.dummy_slot, [], [])
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every program for every bucket, a few at a time (XLA releases the GIL)."""

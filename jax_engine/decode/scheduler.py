@@ -1,11 +1,13 @@
 """Continuous batching for one decoder replica, on its own thread (owns the device state).
 
 Each step: take new requests and aborts from the control queue; admit waiting sequences by
-(priority, arrival) while rows, slots and pages allow; run prefill chunks under the token budget
-(what is left after one token per running sequence), so a long prompt never stalls decoding
-for more than one chunk; then one fused decode+sample program for every running sequence.
-When a sequence needs a page and none is left, the newest running sequence is preempted: its
-pages are freed and it is requeued to be recomputed later (never dropped).
+(priority, arrival) while rows, slots and pages allow; then ONE ragged step program (runner.step)
+over one token budget: every running sequence's next token first, then prefill chunks (FIFO) in
+what is left, so decode streams never wait for a separate prefill program and each step reads
+the weights once. A chunk that ends a prompt draws the first token(s) in the same step (n > 1
+forks draw from the same row). When a sequence needs a page and none is left, the newest running
+sequence is preempted: its pages are freed and it is requeued to be recomputed later (never
+dropped).
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from typing import Optional
 import numpy as np
 
 from jax_engine.decode.page_pool import PagePool, chain_hashes
-from jax_engine.decode.rows import DecodeRow, SamplingRow
-from jax_engine.decode.runner import ModelRunner
+from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
+from jax_engine.decode.runner import ModelRunner, StepResult
 from jax_engine.decode.sequence import Request, SeqState, Sequence
 from jax_engine.types import GenerateOutput, TokenLogprob
 
@@ -34,7 +36,7 @@ class Scheduler:
         self.name = name
         rc = runner.rc
         self.max_running = rc.max_running
-        self.budget = rc.max_batched_tokens
+        self.budget = runner.max_tokens
         self.page_size = rc.page_size
         self.free_slots = list(range(rc.max_running - 1, -1, -1))
         self.waiting: list[Sequence] = []
@@ -132,25 +134,20 @@ class Scheduler:
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         self._admit()
-        batch = self._plan_prefill(self.budget - len(self.running))
-        if batch:
-            self._prefill(batch)
-        if self.running:
-            self._decode()
+        decoding = self._reserve_decode_pages()
+        chunks = self._plan_chunks(self.budget - len(decoding))
+        if decoding or chunks:
+            self._run_step(decoding, chunks)
 
-    def _plan_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
-        """Chunks for one prefill program, FIFO, while rows x padded length fits the budget."""
-        r = self.runner
+    def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Prefill chunks in what the decode tokens left of the budget, FIFO."""
         batch: list[tuple[Sequence, int]] = []
         for seq in self.prefilling:
-            n = min(seq.target_computed - seq.num_computed, r.token_buckets[-1], max(budget, 1))
-            lens = [x[1] for x in batch] + [n]
-            if len(lens) > r.prefill_batch_buckets[-1]:
+            if budget <= 0:
                 break
-            rows, width, _ = r.prefill_shape(lens, lens)
-            if batch and rows * width > budget:
-                break
+            n = min(seq.target_computed - seq.num_computed, budget)
             batch.append((seq, n))
+            budget -= n
         return batch
 
     def _rows_in_use(self) -> int:
@@ -199,28 +196,51 @@ class Scheduler:
             except Exception as e:
                 self._step_failed(group, e)
 
-    def _prefill(self, batch: list[tuple[Sequence, int]]) -> None:
-        chunks = [(seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed, seq.pages) for seq, n in batch]
+    def _run_step(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]]) -> None:
+        rows: list[StepRow] = []
+        for seq in decoding:
+            pos = seq.total_len - 1
+            rows.append(StepRow(tokens=[seq.tokens[-1]], start=pos, pages=seq.pages,
+                                samples=[SampleRow(seq.slot, self._sampling_row(seq))]))
+        for seq, n in chunks:
+            start = seq.num_computed
+            ends_prompt = start + n >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None
+            group = [seq] + seq.followers if ends_prompt else []
+            rows.append(StepRow(tokens=seq.tokens[start:start + n], start=start, pages=seq.pages,
+                                samples=[SampleRow(s.slot, self._sampling_row(s)) for s in group]))
+        sampled = [smp for r in rows for smp in r.samples]
+        greedy = all(smp.sampling.temperature <= 0 for smp in sampled)
         try:
-            raw, hidden = self.runner.prefill(chunks)
+            res = self.runner.step(rows, greedy)
         except Exception as e:
-            self._step_failed([seq for seq, _ in batch], e)
+            self._step_failed(decoding + [seq for seq, _ in chunks], e)
             return
-        h = None
-        for i, (seq, n) in enumerate(batch):
+        self._record(decode=len(decoding))
+        j = 0
+        for seq in decoding:
+            seq.num_computed = seq.total_len
+            self._on_token(seq, int(res.tokens[j]), float(res.logprobs[j]), res.top_values[j], res.top_ids[j])
+            j += 1
+        h: Optional[np.ndarray] = None
+        for i, (seq, n) in enumerate(chunks):
+            k = len(rows[len(decoding) + i].samples)
             if seq.state is not SeqState.PREFILL:
-                continue                    # failed together with an earlier row of this batch
+                j += k
+                continue                    # failed together with an earlier row of this step
             needs_h = seq.req.on_embedding is not None or (
                 seq.req.params.prompt_logprobs_start is not None and not seq.output_ids)
             if needs_h and h is None:
-                h = hidden()
+                h = res.hidden()
+            start = res.starts[len(decoding) + i]
             try:
-                self._after_prefill(seq, n, raw[i], h[i] if needs_h else None)
+                self._after_chunk(seq, n, res, j, h[start:start + n] if needs_h else None)
             except Exception as e:
                 self._step_failed([seq], e)
+            j += k
 
-    def _after_prefill(self, seq: Sequence, n: int, raw: np.ndarray, h: Optional[np.ndarray]) -> None:
-        """Book-keeping for one finished chunk: prompt logprobs, cache pages, first tokens."""
+    def _after_chunk(self, seq: Sequence, n: int, res: StepResult, j: int, h: Optional[np.ndarray]) -> None:
+        """Book-keeping for one computed chunk: prompt logprobs, cache pages, and for the chunk
+        that ends a prompt the first tokens (res rows j.. for the sequence and its n > 1 forks)."""
         start = seq.num_computed
         target = seq.target_computed
         toks = seq.tokens
@@ -247,8 +267,6 @@ class Scheduler:
             self.running.append(seq)
             return
         group = [seq] + seq.followers
-        tok, lp, top_v, top_i = self.runner.first_tokens(raw, [self._sampling_row(s) for s in group],
-                                                         [s.slot for s in group])
         for s in group:
             if s is not seq:
                 self._fork(seq, s)
@@ -256,7 +274,7 @@ class Scheduler:
             self.running.append(s)
         seq.followers = []
         for i, s in enumerate(group):
-            self._on_token(s, int(tok[i]), float(lp[i]), top_v[i], top_i[i])
+            self._on_token(s, int(res.tokens[j + i]), float(res.logprobs[j + i]), res.top_values[j + i], res.top_ids[j + i])
 
     def _fork(self, leader: Sequence, s: Sequence) -> None:
         """n > 1: share the leader's full prompt pages; copy the partial last page."""
@@ -275,9 +293,10 @@ class Scheduler:
         s.page_hashes = list(leader.page_hashes[:full])
         s.leader = None
 
-    def _decode(self) -> None:
+    def _reserve_decode_pages(self) -> list[Sequence]:
+        """The running sequences that decode this step, each holding the page of its next position
+        (position total_len - 1); when the pool runs dry the newest running sequence is preempted."""
         ps = self.page_size
-        # every running sequence needs the page holding position total_len - 1
         for seq in sorted(self.running, key=lambda s: (s.req.arrival, s.index)):
             if seq.state is not SeqState.RUNNING:
                 continue
@@ -290,24 +309,7 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     break
-        rows, seqs = [], []
-        for seq in self.running:
-            pos = seq.total_len - 1
-            rows.append(DecodeRow(token=seq.tokens[-1], position=pos, kv_slot=seq.pages[pos // ps] * ps + pos % ps,
-                                  pages=seq.pages, slot_id=seq.slot, sampling=self._sampling_row(seq)))
-            seqs.append(seq)
-        if not rows:
-            return
-        greedy = all(s.req.params.temperature <= 0 for s in seqs)
-        try:
-            tok, lp, top_v, top_i = self.runner.decode(rows, greedy)
-        except Exception as e:
-            self._step_failed(seqs, e)
-            return
-        self._record(decode=len(seqs))
-        for i, seq in enumerate(seqs):
-            seq.num_computed = seq.total_len
-            self._on_token(seq, int(tok[i]), float(lp[i]), top_v[i], top_i[i])
+        return list(self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -154,9 +154,8 @@ class GenerateWorker:
             s.runner.warmup(progress)
         self.warmup_s = time.time() - t
         r = self.replicas[0].runner
-        log.info("%s: %d programs compiled in %.1fs (tokens %s, batch %s, pages %s, prefill pages %s)",
-                 self.spec.name,
-                 len(r.programs), self.warmup_s, r.token_buckets, r.batch_buckets, r.page_buckets, r.prefill_page_buckets)
+        log.info("%s: %d programs compiled in %.1fs (ragged step: token buckets %s, page buckets %s)",
+                 self.spec.name, len(r.programs), self.warmup_s, r.token_buckets, r.page_buckets)
 
     def start(self) -> None:
         for s in self.replicas:

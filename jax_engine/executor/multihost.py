@@ -2,7 +2,7 @@
 
 JAX is multi-controller: every process must launch the same programs, in the same order, with
 the same host inputs. So process 0 runs the fronts and the schedulers as usual, and each of its
-model runners publishes every device-touching call (decode, prefill, first tokens, ...; the
+model runners publishes every device-touching call (the ragged step, prompt logprobs, ...; the
 methods runner.py marks `@mirrored`) before making it. The other processes build the same decoder
 runners (same flags, same checkpoint), compile the same buckets, and `follow` the published
 calls one by one. The calls travel through the key-value store of JAX's own coordination
@@ -81,7 +81,8 @@ def encode(message: tuple) -> bytes:
             return {"__row__": [type(o).__name__, {f.name: getattr(o, f.name) for f in fields(o)}]}
         if isinstance(o, np.ndarray):
             a = np.ascontiguousarray(o)
-            return {"__nd__": [a.dtype.str, list(a.shape), base64.b64encode(a.tobytes()).decode("ascii")]}
+            dt = a.dtype.name if a.dtype.kind == "V" else a.dtype.str   # bfloat16's .str is '<V2': raw bytes
+            return {"__nd__": [dt, list(a.shape), base64.b64encode(a.tobytes()).decode("ascii")]}
         if isinstance(o, np.generic):
             return o.item()
         raise TypeError(f"cannot publish a {type(o).__name__}")

@@ -158,31 +158,42 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, factor: float)
 
 
 # --------------------------------------------------------------------------- forward
+@jax.tree_util.register_dataclass
 @dataclass
 class StepInputs:
-    """Static-shape inputs of one model step over B rows of Tq query tokens each."""
+    """Static-shape inputs of one ragged step: T query tokens (a flat list, each row's tokens
+    contiguous, rows in order, padding tokens last) over R rows (real rows first).
 
-    tokens: jax.Array        # [B, Tq] int32
-    positions: jax.Array     # [B, Tq] int32
-    slots: jax.Array         # [B, Tq] int32 flat KV slot to write (page 0 for padding)
-    page_table: jax.Array    # [B, P] int32
-    kv_lens: jax.Array       # [B] int32 valid keys after this step
+    A token at position p of row r writes its KV to `slots` and attends the keys of r's pages at
+    positions < kv_limit (= p + 1: causal over earlier pages and its own chunk; 0 for padding)."""
+
+    tokens: jax.Array        # [T] int32
+    positions: jax.Array     # [T] int32
+    slots: jax.Array         # [T] int32 flat KV slot to write (page 0, the reserved dummy, for padding)
+    rows: jax.Array          # [T] int32 row of each token (0 for padding)
+    kv_limit: jax.Array      # [T] int32 keys visible to each token (position + 1; 0 for padding)
+    page_table: jax.Array    # [R, P] int32 each row's pages in position order
+    kv_lens: jax.Array       # [R] int32 valid keys of each row after this step (0 for padding rows)
+    cu_q_lens: jax.Array     # [R + 1] int32 where each row's tokens start in the flat list
+    num_rows: jax.Array      # [1] int32 real rows
 
 
 def forward(
     params: Params, cfg: LlamaConfig, k_cache: jax.Array, v_cache: jax.Array,
     inp: StepInputs, page_size: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Run all layers; returns (final-normed hidden [B, Tq, H], k_cache, v_cache).
+    """Run all layers; returns (final-normed hidden [T, H], k_cache, v_cache).
 
     The caches' layout belongs to the attention backend (jax_engine/attention/; the reference's
     is [L, num_pages * page_size, KVH, D]); they travel in the scan carry and are updated with
     scatters so a donated buffer is written in place.
     """
     G = cfg.num_heads // (cfg.num_kv_heads * cfg.kv_repeat)          # query heads per (replicated) KV head
-    x = params["embed"][inp.tokens]                                   # [B, Tq, H]
+    # activations are [1, T, ...]: the layouts' einsums (SPECS) and the CPU kernels take a
+    # [B, Tq] lead; attention sees the flat [T, ...] view
+    x = params["embed"][inp.tokens][None]                             # [1, T, H]
     inv_freq = jnp.asarray(np.array(cfg.inv_freq, dtype=np.float32))
-    q_pos = inp.positions
+    q_pos = inp.positions[None]
     attn = attention.get(cfg.attention_backend)
     meta = attn.prepare(cfg, inp, page_size)                         # masks / kernel metadata, once per step
 
@@ -216,8 +227,8 @@ def forward(
             k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
         q = rope(q, q_pos, inv_freq, cfg.rope_attention_factor)
         k = rope(k, q_pos, inv_freq, cfg.rope_attention_factor)
-        kc, vc = attn.write(kc, vc, li, k, v, meta)
-        a = attn.attend(q, kc, vc, li, meta).astype(x.dtype)         # [B, Tq, KVH, G, D]
+        kc, vc = attn.write(kc, vc, li, k[0], v[0], meta)
+        a = attn.attend(q[0], kc, vc, li, meta).astype(x.dtype)[None]   # [1, T, KVH, G, D]
         x = x + mm("o", lp, li, a, (cfg.hidden_size,))
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
         gu = mm("gate_up", lp, li, h, (2, cfg.intermediate_size))
@@ -226,7 +237,7 @@ def forward(
 
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, (x, k_cache, v_cache, jnp.int32(0)), xs,
                                                length=cfg.num_layers)
-    return rms_norm(x, params["final_norm"], cfg.rms_eps), k_cache, v_cache
+    return rms_norm(x[0], params["final_norm"], cfg.rms_eps), k_cache, v_cache
 
 
 def lm_head(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:

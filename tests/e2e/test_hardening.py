@@ -172,9 +172,9 @@ def as_finish(stub, uuid: str, timeout: float = 60.0) -> int:
 
 @contextlib.contextmanager
 def fault(engine, program: str | None, times: int = 1, delay_s: float = 0.0):
-    """Through the runner's fault_hook: the next `times` runs of `program` ("decode..." /
-    "prefill...") raise, and every decode step first sleeps `delay_s` (keeps requests live long
-    enough for a test to act on them, however fast the engine is)."""
+    """Through the runner's fault_hook: the next `times` runs of `program` ("step", the ragged step;
+    "draw...", its sampling; "set_slot", admission) raise, and every step first sleeps `delay_s`
+    (keeps requests live long enough for a test to act on them, however fast the engine is)."""
     runner = engine.worker(GEN).replicas[0].runner
     left = {"n": times if program else 0}
 
@@ -182,7 +182,7 @@ def fault(engine, program: str | None, times: int = 1, delay_s: float = 0.0):
         if program and name.startswith(program) and left["n"] > 0:
             left["n"] -= 1
             raise RuntimeError(f"injected {program} fault")
-        if delay_s and name.startswith("decode"):
+        if delay_s and name == "step":
             time.sleep(delay_s)
 
     previous = runner.fault_hook
@@ -194,7 +194,7 @@ def fault(engine, program: str | None, times: int = 1, delay_s: float = 0.0):
 
 
 def slow(engine, delay_s: float = 0.02):
-    """Decode steps take at least `delay_s` (200 tokens >= 4 s at the default)."""
+    """Steps take at least `delay_s` (200 tokens >= 4 s at the default)."""
     return fault(engine, None, 0, delay_s)
 
 
@@ -903,19 +903,38 @@ def test_row20_drain_deadline_ends_streams_with_an_error_then_exits_zero(demo_ge
 def test_row21_fault_in_one_step_fails_only_its_requests_on_every_front(http_url, grpc_channel, asp, serving_engine):
     sgl = spb_grpc.SglangSchedulerStub(grpc_channel)
     before = serving_engine.counters.snapshot()
-    # (a) prefill fault: only the request being prefilled fails; two streams already decoding go on
-    with fault(serving_engine, "prefill", times=0, delay_s=0.02):
+    # (a) a fault in the ragged step that prefills a new prompt fails every request of that step:
+    # the prompt and the two streams decoding beside it; the server goes on serving
+    sched = serving_engine.worker(GEN).replicas[0]
+    runner = sched.runner
+    with fault(serving_engine, "step", times=0, delay_s=0.02):
         a = sgl.Generate(gen_req("bystander-a", sp=greedy(60), stream=True))
         b = sgl.Generate(gen_req("bystander-b", sp=greedy(60), stream=True))
         next(a), next(b)
-    with fault(serving_engine, "prefill", delay_s=0.02) as left, httpx.Client(base_url=http_url, timeout=60) as c:
-        r = c.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 5})
-        assert left["n"] == 0
-        assert serving_engine.stats(GEN).running_requests == 2     # the bystanders are still decoding
-    err = http_error(r, 500, "model step failed", "injected prefill fault")
+        armed = {"n": 1}
+        previous = runner.fault_hook
+
+        def prefill_step_fault(name: str) -> None:
+            if name == "step" and sched.prefilling and armed["n"]:      # the new prompt is in this step
+                armed["n"] = 0
+                raise RuntimeError("injected step fault")
+            previous(name)
+
+        runner.fault_hook = prefill_step_fault
+        try:
+            with httpx.Client(base_url=http_url, timeout=60) as c:
+                r = c.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 5})
+        finally:
+            runner.fault_hook = previous
+        assert armed["n"] == 0
+    err = http_error(r, 500, "model step failed", "injected step fault")
     assert err["code"] == "internal" and err["type"] == "internal_error"
-    assert list(a)[-1].complete.finish_reason == "length" and list(b)[-1].complete.finish_reason == "length"
-    # (b) decode fault: every request of that decode step fails, each front in its own way
+    for stream in (a, b):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "injected step fault" in e.value.details()
+    ok_grpc(grpc_channel)
+    # (b) a fault in a decode-only step: every request of that step fails, each front in its own way
     result: dict = {}
 
     def http_stream():
@@ -943,20 +962,20 @@ def test_row21_fault_in_one_step_fails_only_its_requests_on_every_front(http_url
             t.start()
         assert as_start(asp, "fault-as", new_tokens=200).as_status == apb.ALLSPARK_SUCCESS
         assert wait_for(lambda: serving_engine.stats(GEN).running_requests == 4, 30)
-        with fault(serving_engine, "decode", delay_s=0.02) as left:
+        with fault(serving_engine, "step", delay_s=0.02) as left:
             assert wait_for(lambda: left["n"] == 0, 30)
             for t in threads:
                 t.join(60)
             as_status = as_finish(asp, "fault-as")
     assert as_status == apb.GenerateInterrupted
-    assert result["grpc"][0] == grpc.StatusCode.INTERNAL and "injected decode fault" in result["grpc"][1]
+    assert result["grpc"][0] == grpc.StatusCode.INTERNAL and "injected step fault" in result["grpc"][1]
     assert "Traceback" not in result["grpc"][1]
     assert json.loads(result["http"][-2][6:])["error"]["code"] == "internal" and result["http"][-1] == "data: [DONE]"
     assert json.loads(result["mirror"][-1])["error"]["code"] == "internal"
     assert settled(serving_engine) and serving_engine.healthy()
     after = serving_engine.counters.snapshot()
     delta = {k: after[k] - before[k] for k in after}
-    assert delta["errored"] == 5 and delta["completed"] == 2, delta   # 1 prefill + 4 decode; the 2 bystanders
+    assert delta["errored"] == 7 and delta["completed"] == 1, delta   # (a) 3 in the step, (b) 4; ok_grpc in (a)
     ok_grpc(grpc_channel)
     with httpx.Client(base_url=http_url, timeout=60) as c:
         ok_http(c)
@@ -1125,7 +1144,7 @@ def test_accounting_balances_after_a_mixed_run(http_url, grpc_channel, asp, arc,
         asp.ReleaseRequest(apb.StopRequestRequest(uuid="acct-stop"))
 
     def errored():
-        with fault(serving_engine, "prefill"):
+        with fault(serving_engine, "step"):
             with httpx.Client(base_url=http_url, timeout=60) as c:
                 assert c.post("/v1/completions", json={"prompt": [9, 9, 9], "max_tokens": 2}).status_code == 500
 

@@ -18,6 +18,7 @@ from jax_engine.attention.cpu import CpuKernel
 from jax_engine.attention.reference import Reference
 from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as K
+from jax_engine.models.llama import StepInputs
 
 
 def test_kernels_build_on_this_machine():
@@ -97,50 +98,65 @@ def test_linear_keeps_structured_shapes():
 
 
 def _attention_case(D: int, G: int, window: int, seed: int):
-    """Rows of lengths 37, 5, 16, 0 (padding), 130 on shuffled pages; returns inputs of both backends."""
+    """A ragged step on shuffled pages: decode rows at kv lengths 37 and 5, a 16-token prompt chunk,
+    a 10-token chunk continuing 120 earlier keys, 3 padding tokens; returns the flat StepInputs
+    (llama.StepInputs) both backends take, and which tokens are real."""
     rng = np.random.default_rng(seed)
-    L, kvh, ps, num_pages = 2, 2, 8, 64
-    lens = np.array([37, 5, 16, 0, 130], np.int32)
-    B, Pn = len(lens), 17
+    L, kvh, ps, num_pages, Pn = 2, 2, 8, 64, 17
+    rows = [(36, 1), (4, 1), (0, 16), (120, 10)]            # (start position, query tokens)
     perm = rng.permutation(np.arange(1, num_pages))
-    table = np.zeros((B, Pn), np.int32)
-    used = 0
-    for b, n in enumerate(lens):
-        k = -(-int(n) // ps)
-        table[b, :k] = perm[used:used + k]
+    R, T = 6, sum(n for _, n in rows) + 3
+    table = np.zeros((R, Pn), np.int32)
+    tok_row, pos, cu, used = [], [], [0], 0
+    for r, (start, n) in enumerate(rows):
+        k = -(-(start + n) // ps)
+        table[r, :k] = perm[used:used + k]
         used += k
+        tok_row += [r] * n
+        pos += list(range(start, start + n))
+        cu.append(cu[-1] + n)
+    real = np.array([True] * len(pos) + [False] * 3)
+    pos = np.array(pos + [0] * 3, np.int32)
+    limit = np.where(real, pos + 1, 0).astype(np.int32)
+    kv_lens = np.array([s + n for s, n in rows] + [0] * (R - len(rows)), np.int32)
     kc = rng.standard_normal((L, num_pages * ps, kvh, D), dtype=np.float32)
     vc = rng.standard_normal((L, num_pages * ps, kvh, D), dtype=np.float32)
-    q = rng.standard_normal((B, 1, kvh, G, D), dtype=np.float32)
-    pos = np.maximum(lens - 1, 0)[:, None].astype(np.int32)
+    q = rng.standard_normal((T, kvh, G, D), dtype=np.float32)
     cfg = type("Cfg", (), {"sliding_window": window or None, "head_dim": D, "num_kv_heads": kvh, "kv_repeat": 1})()
-    inp = type("Inp", (), {"tokens": jnp.zeros((B, 1), jnp.int32), "positions": jnp.asarray(pos),
-                           "slots": jnp.zeros((B, 1), jnp.int32), "page_table": jnp.asarray(table),
-                           "kv_lens": jnp.asarray(lens)})()
-    return cfg, inp, ps, jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), lens
+    i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))      # noqa: E731
+    inp = StepInputs(tokens=i32(np.zeros(T)), positions=i32(pos), slots=i32(np.zeros(T)),
+                     rows=i32(tok_row + [0] * 3), kv_limit=i32(limit), page_table=i32(table), kv_lens=i32(kv_lens),
+                     cu_q_lens=i32(cu + [cu[-1]] * (R - len(rows))), num_rows=i32([len(rows)]))
+    return cfg, inp, ps, jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), real
 
 
 @pytest.mark.parametrize("D,G,window", [(64, 3, 0), (24, 2, 0), (16, 1, 9), (80, 4, 1000)])
-def test_decode_attention_matches_reference(D, G, window):
-    cfg, inp, ps, q, kc, vc, lens = _attention_case(D, G, window, seed=D + G)
+def test_ragged_attention_matches_reference(D, G, window):
+    """Decode tokens and prompt chunks of one ragged step through the C++ kernel equal the pure-JAX
+    reference; padding tokens attend to nothing."""
+    cfg, inp, ps, q, kc, vc, real = _attention_case(D, G, window, seed=D + G)
     ref, cpu = Reference(), CpuKernel()
     for li in (0, 1):
         want = np.asarray(ref.attend(q, kc, vc, jnp.int32(li), ref.prepare(cfg, inp, ps)))
         got = np.asarray(jax.jit(lambda q, kc, vc: cpu.attend(q, kc, vc, jnp.int32(li), cpu.prepare(cfg, inp, ps)))(q, kc, vc))
-        valid = lens > 0
-        np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=2e-6)
-        assert np.all(got[~valid] == 0)                 # a padding row attends to nothing
+        np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=2e-6)
+        assert np.all(got[~real] == 0)
 
 
-def test_prefill_chunks_keep_the_reference_math():
-    # Tq > 1 goes through the reference's masked softmax unchanged (same function, same result)
-    cfg, inp, ps, q, kc, vc, lens = _attention_case(32, 2, 0, seed=5)
-    q2 = jnp.concatenate([q, q * 0.5], axis=1)
-    inp.positions = jnp.concatenate([inp.positions - 1, inp.positions], axis=1).clip(0)
-    ref, cpu = Reference(), CpuKernel()
-    a = ref.attend(q2, kc, vc, jnp.int32(1), ref.prepare(cfg, inp, ps))
-    b = cpu.attend(q2, kc, vc, jnp.int32(1), cpu.prepare(cfg, inp, ps))
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def test_reference_attention_is_per_token_softmax():
+    """The reference itself against numpy: each token attends its row's keys at positions below its
+    position + 1 (inside the window), read through the page table."""
+    cfg, inp, ps, q, kc, vc, real = _attention_case(16, 2, 9, seed=3)
+    got = np.asarray(Reference().attend(q, kc, vc, jnp.int32(1), Reference().prepare(cfg, inp, ps)))
+    table, rows, pos = np.asarray(inp.page_table), np.asarray(inp.rows), np.asarray(inp.positions)
+    K, V, Q = np.asarray(kc)[1], np.asarray(vc)[1], np.asarray(q)
+    for t in np.flatnonzero(real):
+        keys = np.arange(max(0, pos[t] - 8), pos[t] + 1)            # window 9
+        slots = table[rows[t], keys // ps] * ps + keys % ps
+        s = np.einsum("kgd,skd->kgs", Q[t], K[slots]) / np.sqrt(16)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        np.testing.assert_allclose(got[t], np.einsum("kgs,skd->kgd", p, V[slots]), rtol=1e-5, atol=1e-6)
 
 
 def test_resolve_rules():

@@ -132,6 +132,20 @@ class _FakeChannel:
         return self.log.pop(0)
 
 
+class _EncodingChannel(_FakeChannel):
+    """Publishes the bytes StepChannel would store (multihost.encode) and receives them decoded."""
+
+    def publish(self, message: tuple) -> None:
+        from jax_engine.executor import multihost
+
+        super().publish(multihost.encode(message))
+
+    def receive(self) -> tuple:
+        from jax_engine.executor import multihost
+
+        return multihost.decode(self.log.pop(0))
+
+
 class _Runner:
     """Two device calls marked like ModelRunner's, and one host-side method."""
 
@@ -140,8 +154,8 @@ class _Runner:
         self.mirror = None
 
     @mirrored
-    def decode(self, rows, greedy):
-        self.calls.append(("decode", rows, greedy))
+    def step(self, rows, greedy):
+        self.calls.append(("step", rows, greedy))
         return "tokens"
 
     @mirrored
@@ -152,26 +166,64 @@ class _Runner:
         return False
 
 
+def _rows():
+    """A decode row (numpy ints, as the scheduler's token lists hold after a step) and the chunk
+    that ends an n = 2 prompt, the second fork with every sampling setting."""
+    import numpy as np
+
+    from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
+
+    decode = StepRow(tokens=[np.int64(7)], start=np.int32(12), pages=[np.int64(1), 2],
+                     samples=[SampleRow(np.int32(0), SamplingRow(steps=np.int64(3)))])
+    fork = SamplingRow(temperature=0.7, top_k=np.int32(40), top_p=0.9, min_p=0.05, rep_pen=1.1, freq_pen=0.2,
+                       pres_pen=-0.5, seeds=2 ** 64 - 1, steps=0, bias=[(3, -1.5), (np.int32(9), 2.0)], ban=[2, 5])
+    chunk = StepRow(tokens=[5, 6, np.int32(7)], start=8, pages=[3, 4],
+                    samples=[SampleRow(1, SamplingRow(temperature=0.7, seeds=11)), SampleRow(2, fork)])
+    middle = StepRow(tokens=[1, 2], start=0, pages=[5])     # a chunk that does not end its prompt
+    return [decode, chunk, middle]
+
+
 def test_leader_publishes_each_device_call_and_follower_replays_it():
+    from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
     from jax_engine.executor import multihost
 
     chan = _FakeChannel()
     leader_side, follower_side = _Runner(), _Runner()
     leader_side.mirror = (chan, "m/0")                          # as GenerateWorker does on process 0
-    assert leader_side.decode([{"t": 1}], True) == "tokens"
+    rows = [StepRow(tokens=[1], start=4, pages=[1], samples=[SampleRow(0, SamplingRow())])]
+    assert leader_side.step(rows, True) == "tokens"
     leader_side.set_slot(3, [1, 2], [])
     assert leader_side.state_lost() is False                    # host-side: not published
-    assert [m[:2] for m in chan.log] == [("m/0", "decode"), ("m/0", "set_slot")]
+    assert [m[:2] for m in chan.log] == [("m/0", "step"), ("m/0", "set_slot")]
     chan.log.append(("__stop__",))
     assert multihost.follow({"m/0": follower_side}, chan) == 2
     assert follower_side.calls == leader_side.calls
 
 
+def test_a_follower_replays_published_step_rows_through_the_wire_format():
+    from jax_engine.decode.rows import StepRow
+    from jax_engine.executor import multihost
+
+    chan = _EncodingChannel()
+    leader_side, follower_side = _Runner(), _Runner()
+    leader_side.mirror = (chan, "m/0")
+    rows = _rows()
+    rows[1].samples[1].sampling.bias = [[3, -1.5], [9, 2.0]]   # JSON has no tuples: compare as lists
+    leader_side.step(rows, False)
+    leader_side.set_slot(3, [1, 2], [4])
+    assert all(isinstance(m, bytes) for m in chan.log)
+    chan.log.append(multihost.encode(("__stop__",)))
+    assert multihost.follow({"m/0": follower_side}, chan) == 2
+    assert follower_side.calls == leader_side.calls             # dataclass equality, nested
+    got = follower_side.calls[0][1]
+    assert all(type(r) is StepRow for r in got) and got[1].samples[1].sampling.seeds == 2 ** 64 - 1
+
+
 def test_every_device_call_of_the_runner_is_mirrored():
     from jax_engine.decode.runner import ModelRunner
 
-    assert set(MIRRORED) == {"decode", "prefill", "first_tokens", "prompt_logprobs", "copy_page", "set_slot",
-                             "reset_state"}
+    assert set(MIRRORED) == {"step", "prompt_logprobs", "copy_page", "set_slot", "reset_state"}
+    assert not {"decode", "prefill", "first_tokens"} & set(MIRRORED)
     assert all(hasattr(getattr(ModelRunner, m), "__wrapped__") for m in MIRRORED)
 
 
@@ -180,45 +232,70 @@ def test_published_calls_round_trip_exactly_and_are_not_pickle():
 
     from jax_engine.executor import multihost
 
-    raw = np.random.default_rng(0).standard_normal(50).astype(np.float32)
-    row = {"token": np.int32(7), "pages": [np.int64(1), 2], "sampling": {"temperature": 0.5, "bias": [(3, -1.5)],
-                                                                     "seeds": 2 ** 32 - 1, "ban": []}}
-    msg = ("m/0", "first_tokens", (raw, [row], [np.int32(4)]))
+    h = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    msg = ("m/0", "prompt_logprobs", (h[1:4], [np.int32(4), 5, np.int64(6)], np.int64(3)))
     data = multihost.encode(msg)
     assert not data.startswith(b"\x80")            # JSON, not a pickle stream
-    key, name, (raw2, rows2, slots2) = multihost.decode(data)
-    assert (key, name) == ("m/0", "first_tokens") and slots2 == [4]
-    assert raw2.dtype == np.float32 and np.array_equal(raw2, raw)
-    assert rows2[0]["token"] == 7 and rows2[0]["pages"] == [1, 2]
-    assert rows2[0]["sampling"]["bias"] == [[3, -1.5]] and rows2[0]["sampling"]["seeds"] == 2 ** 32 - 1
+    key, name, (h2, nxt2, n2) = multihost.decode(data)
+    assert (key, name) == ("m/0", "prompt_logprobs") and nxt2 == [4, 5, 6] and n2 == 3
+    assert all(type(t) is int for t in nxt2) and type(n2) is int
+    assert h2.dtype == np.float32 and h2.shape == (3, 8) and np.array_equal(h2, h[1:4])
+    key, name, args = multihost.decode(multihost.encode(("m/0", "copy_page", (np.int32(3), np.int64(9)))))
+    assert (name, args) == ("copy_page", [3, 9])
     with pytest.raises(TypeError, match="cannot publish"):
-        multihost.encode(("m/0", "decode", (object(),)))
+        multihost.encode(("m/0", "step", (object(),)))
+
+
+def test_bfloat16_hidden_rows_round_trip():
+    import ml_dtypes
+    import numpy as np
+
+    from jax_engine.executor import multihost
+
+    h = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
+    _, _, (h2, _, _) = multihost.decode(multihost.encode(("m/0", "prompt_logprobs", (h, [1], 2))))
+    assert h2.dtype == h.dtype and np.array_equal(h2, h)
 
 
 def test_typed_runner_rows_round_trip_as_their_types():
     import numpy as np
 
-    from jax_engine.decode.rows import DecodeRow, SamplingRow
+    from jax_engine.decode import sampling
+    from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
+    from jax_engine.decode.runner import NUM_BAN, NUM_BIAS
     from jax_engine.executor import multihost
 
-    row = DecodeRow(token=np.int32(7), position=3, kv_slot=11, pages=[np.int64(1), 2], slot_id=0,
-                    sampling=SamplingRow(temperature=0.5, bias=[(3, -1.5)], seeds=2 ** 64 - 1, ban=[2]))
-    key, name, (rows2, greedy) = multihost.decode(multihost.encode(("m/0", "decode", ([row], False))))
-    got = rows2[0]
-    assert isinstance(got, DecodeRow) and isinstance(got.sampling, SamplingRow) and greedy is False
-    assert (got.token, got.position, got.kv_slot, got.pages, got.slot_id) == (7, 3, 11, [1, 2], 0)
-    assert got.sampling.bias == [[3, -1.5]] and got.sampling.seeds == 2 ** 64 - 1 and got.sampling.ban == [2]
+    rows = _rows()
+    key, name, (rows2, greedy) = multihost.decode(multihost.encode(("m/0", "step", (rows, False))))
+    assert (key, name, greedy) == ("m/0", "step", False) and len(rows2) == 3
+    for r, got in zip(rows, rows2):
+        assert type(got) is StepRow and all(type(s) is SampleRow and type(s.sampling) is SamplingRow
+                                            for s in got.samples)
+        assert (got.tokens, got.start, got.pages) == (r.tokens, r.start, r.pages)
+        assert all(type(t) is int for t in got.tokens + got.pages) and type(got.start) is int
+        assert [s.slot_id for s in got.samples] == [s.slot_id for s in r.samples]
+    assert rows2[2].samples == []
+    fork = rows2[1].samples[1].sampling
+    assert fork.bias == [[3, -1.5], [9, 2.0]] and fork.seeds == 2 ** 64 - 1 and fork.ban == [2, 5]
+    assert (fork.temperature, fork.top_k, fork.top_p, fork.min_p) == (0.7, 40, 0.9, 0.05)
+    assert (fork.rep_pen, fork.freq_pen, fork.pres_pen, fork.steps) == (1.1, 0.2, -0.5, 0)
+    assert rows2[0].samples[0].sampling == SamplingRow(steps=3)
+    # what the runner packs from them (sampling.host_arrays) is identical on both sides
+    sent = [s.sampling for r in rows for s in r.samples]
+    recv = [s.sampling for r in rows2 for s in r.samples]
+    a, b = (sampling.host_arrays(x + [None], 4, NUM_BIAS, NUM_BAN) for x in (sent, recv))
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_a_failed_replay_is_contained_like_the_leaders_step():
     from jax_engine.executor import multihost
 
     class Failing(_Runner):
-        def decode(self, rows, greedy):
+        def step(self, rows, greedy):
             raise RuntimeError("device fault")
 
     chan = _FakeChannel()
-    chan.log += [("m/0", "decode", ([], True)), ("m/0", "set_slot", (1, [2], [])), ("__stop__",)]
+    chan.log += [("m/0", "step", ([], True)), ("m/0", "set_slot", (1, [2], [])), ("__stop__",)]
     follower = Failing()
     assert multihost.follow({"m/0": follower}, chan) == 2
     assert follower.calls == [("set_slot", 1, [2], [])]
@@ -228,7 +305,11 @@ def test_follower_refuses_a_call_for_a_model_it_does_not_have():
     from jax_engine.executor import multihost
 
     chan = _FakeChannel()
-    chan.log.append(("other/0", "decode", ([], True)))
+    chan.log.append(("other/0", "step", ([], True)))
+    with pytest.raises(RuntimeError, match="same model flags"):
+        multihost.follow({"m/0": _Runner()}, chan)
+
+    chan.log.append(("m/0", "decode", ([], True)))              # a method of the old split design
     with pytest.raises(RuntimeError, match="same model flags"):
         multihost.follow({"m/0": _Runner()}, chan)
 

@@ -379,12 +379,12 @@ def test_validation_and_overload(model_dir, engine):
 def test_fault_in_one_step_fails_only_its_requests(model_dir):
     eng = make_engine(model_dir, warmup=False, max_running_requests=2)
     runner = eng._workers["gen"].replicas[0].runner
-    calls = {"decode": 0}
+    calls = {"step": 0}
 
     def hook(program: str) -> None:
-        if program.startswith("decode"):
-            calls["decode"] += 1
-            if calls["decode"] == 3:
+        if program.startswith("step"):      # 1: both prompts (and first tokens), 2-3: decode both
+            calls["step"] += 1
+            if calls["step"] == 3:
                 raise RuntimeError("injected fault")
 
     try:
@@ -437,24 +437,27 @@ def test_fault_in_admission_fails_only_that_request(model_dir):
         eng.shutdown()
 
 
-def test_page_bucket_ratio_reaches_the_runner_and_prefill_stays_coarse(model_dir):
+def test_page_buckets_follow_the_attention_backend(model_dir):
+    """The reference gathers each token's whole page bucket, so its step programs are bucketed by
+    pages (--page-bucket-ratio); the CPU kernel reads only valid keys: one page bucket."""
     from frontends.cli import engine_args, parse_serve_args
 
     ns = parse_serve_args(["--model", model_dir, "--page-bucket-ratio", "4"])
     assert engine_args(ns).page_bucket_ratio == 4
     with pytest.raises(SystemExit):
         parse_serve_args(["--model", model_dir, "--page-bucket-ratio", "1"])
-    eng = make_engine(model_dir, warmup=False)          # default ratio 2; 128 tokens / 8 = 16 pages
-    try:
-        r = eng._workers["gen"].replicas[0].runner
-        assert r.page_buckets == [1, 2, 4, 8, 16]       # decode: x2
-        assert r.prefill_page_buckets == [1, 4, 16]     # prefill: x4
-        assert r.prefill_shape([10], [40])[2] == 16     # 5 pages -> the coarse bucket
-        keys = r.all_keys()
-        assert {k[1][1] for k in keys if k[0] == "decode_greedy"} == set(r.page_buckets)
-        assert {k[1][2] for k in keys if k[0] == "prefill"} <= set(r.prefill_page_buckets)
-    finally:
-        eng.shutdown()
+    for backend, want in (("reference", [1, 2, 4, 8, 16]), ("auto", [16])):   # 128 tokens / 8 = 16 pages
+        eng = make_engine(model_dir, warmup=False, attention_backend=backend)
+        try:
+            r = eng._workers["gen"].replicas[0].runner
+            assert r.page_buckets == want, backend
+            keys = r.all_keys()
+            assert {k[1][1] for k in keys if k[0] == "step"} == set(want)
+            assert {k[1][0] for k in keys if k[0] == "step"} == set(r.token_buckets)
+            assert {k[1][0] for k in keys if k[0] == "draw_sample"} == {1, 2, 4, 8}     # rows: min(T, 8 running)
+            assert r.token_buckets == [1, 2, 4, 8, 16, 32, 64]
+        finally:
+            eng.shutdown()
 
 
 def test_request_larger_than_the_pool_is_invalid(model_dir):
@@ -465,4 +468,65 @@ def test_request_larger_than_the_pool_is_invalid(model_dir):
         out = asyncio.run(run(eng, [1] * 20, temperature=0.0, ignore_eos=True))   # default fits the pool
         assert out[0]["final"].finish_reason == "length" and out[0]["final"].completion_tokens == 20
     finally:
+        eng.shutdown()
+
+
+def test_one_ragged_step_mixes_decode_chunks_prompt_logprobs_and_a_fork(model_dir):
+    """One step holds a running sequence's decode token, three prompt chunks of different lengths
+    (one with prompt logprobs, one an n = 2 request whose two first tokens are drawn from the same
+    row), and every request's output equals running it alone."""
+    import threading
+
+    eng = make_engine(model_dir, warmup=False, max_num_batched_tokens=128)
+    runner = eng._workers["gen"].replicas[0].runner
+    steps: list = []
+    gate = threading.Event()
+    gate.set()
+    step = runner.step
+
+    def gated(rows, greedy_):
+        gate.wait()
+        steps.append(rows)
+        return step(rows, greedy_)
+
+    runner.step = gated
+    reqs = {
+        "a": (list(range(10, 17)), greedy(None, 40)),
+        "b": (list(range(50, 100)), greedy(None, 5)),
+        "c": (list(range(200, 221)), greedy(None, 3, prompt_logprobs_start=0, logprobs=True, top_logprobs=2)),
+        "d": (list(range(300, 311)), dict(temperature=0.9, max_new_tokens=6, n=2, seed=11, ignore_eos=True)),
+    }
+    try:
+        async def mixed():
+            a = asyncio.ensure_future(run(eng, reqs["a"][0], **reqs["a"][1]))
+            while sum(len(r) for r in steps) < 3:       # a is decoding
+                await asyncio.sleep(0.005)
+            gate.clear()                                 # hold the scheduler inside its next step ...
+            await asyncio.sleep(0.05)
+            rest = [asyncio.ensure_future(run(eng, reqs[k][0], **reqs[k][1])) for k in "bcd"]
+            await asyncio.sleep(0.3)                     # ... until b, c and d are all queued
+            gate.set()
+            return dict(zip("abcd", await asyncio.gather(a, *rest)))
+
+        together = asyncio.run(mixed())
+        mixed_steps = [rows for rows in steps if sum(len(r.tokens) > 1 for r in rows) == 3]
+        assert mixed_steps, "b, c and d were not prefilled in one step"
+        rows = mixed_steps[0]
+        assert len(rows[0].tokens) == 1 and len(rows[0].samples) == 1             # a's decode token first
+        assert sorted(len(r.tokens) for r in rows[1:]) == [11, 21, 50]
+        assert sorted(len(r.samples) for r in rows[1:]) == [1, 1, 2]            # d's fork: two draws, one row
+        runner.step = step
+        for k, (prompt, params) in reqs.items():
+            alone = asyncio.run(run(eng, prompt, **params))
+            assert sorted(alone) == sorted(together[k])
+            for i in alone:
+                assert together[k][i]["tokens"] == alone[i]["tokens"], (k, i)
+            if k == "c":
+                got = [x.logprob for x in together[k][0]["prompt_logprobs"][1:]]
+                want = [x.logprob for x in alone[0]["prompt_logprobs"][1:]]
+                assert len(got) == 20 and np.allclose(got, want, atol=1e-5)
+        assert eng.stats("gen").pages_used == 0
+    finally:
+        runner.step = step
+        gate.set()
         eng.shutdown()

@@ -1,60 +1,120 @@
 """The decode Scheduler (jax_engine/decode/scheduler.py) driven step by step over a fake
-ModelRunner that returns deterministic tokens (next token = last token + 1) and compiles nothing:
-admission and prefill chunks under the token budget, prefix reuse, preemption when pages run
-out (recomputed, never dropped), abort, and a request larger than the pool. tests/engine/
-test_scheduler.py covers the same scheduler through the Engine with a real model."""
+ModelRunner that returns deterministic tokens (next token = the row's last token + 1) and
+compiles nothing: admission and prefill chunks under the token budget, prefix reuse, preemption
+when pages run out (recomputed, never dropped), abort, and a request larger than the pool.
+
+Every test also checks the ragged-step contract on every step the fake recorded (check_contract):
+decode rows first, one token and one sample per running sequence; then prefill chunks FIFO
+under the token budget, only the last one cut by it; a chunk that ends a prompt samples for the
+sequence and its n > 1 followers. tests/engine/test_scheduler.py covers the same scheduler
+through the Engine with a real model."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 
 from jax_engine.decode.page_pool import PagePool
+from jax_engine.decode.rows import SampleRow, StepRow
+from jax_engine.decode.runner import StepResult
 from jax_engine.decode.scheduler import Scheduler
 from jax_engine.decode.sequence import Request, Sequence
-from jax_engine.types import SamplingParams
+from jax_engine.types import SamplingParams, TokenLogprob
 
 VOCAB = 1000
+HIDDEN = 4
 
 
-def _pick(buckets: list[int], n: int) -> int:
-    return next(b for b in buckets if b >= n)
+@dataclass
+class Decoding:
+    """A running sequence as the scheduler held it when it called runner.step."""
+
+    rid: str
+    index: int
+    slot: int
+    last: int           # its last token (the decode row's one token)
+    position: int       # that token's position
+
+
+@dataclass
+class Prefilling:
+    """A prefilling sequence (FIFO order) as the scheduler held it when it called runner.step."""
+
+    rid: str
+    tokens: list[int]
+    computed: int       # tokens whose KV is already cached
+    target: int         # KV needed before it decodes
+    slots: list[int]    # its own slot, then its n > 1 followers'
+    resumes: bool       # recompute after preemption: no first token to draw
+
+
+@dataclass
+class Step:
+    rows: list[StepRow]
+    greedy: bool
+    running: list[Decoding]
+    prefilling: list[Prefilling]
+
+    @property
+    def decode_rows(self) -> list[StepRow]:
+        return self.rows[:len(self.running)]
+
+    @property
+    def chunks(self) -> list[tuple[Prefilling, StepRow]]:
+        return list(zip(self.prefilling, self.rows[len(self.running):]))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+    def decoded(self, rid: str) -> bool:
+        return any(d.rid == rid for d in self.running)
 
 
 class FakeRunner:
-    """The members of ModelRunner the scheduler calls; records every prefill and decode call."""
+    """The members of ModelRunner the scheduler uses; records every step with the scheduler's
+    running and prefilling sequences at the time of the call (`sched` is set by make())."""
 
     def __init__(self, max_running: int = 4, max_batched_tokens: int = 16, page_size: int = 4):
         self.rc = SimpleNamespace(max_running=max_running, max_batched_tokens=max_batched_tokens, page_size=page_size)
-        self.token_buckets = [b for b in (4, 8, 16, 32, 64) if b <= max_batched_tokens]
-        self.prefill_batch_buckets = [b for b in (1, 2, 4, 8) if b * self.token_buckets[0] <= max_batched_tokens]
-        self.prefills: list[list[tuple[list[int], int, list[int]]]] = []
-        self.decodes: list[list] = []
-        self.events: list[str] = []
+        self.max_tokens = max(max_batched_tokens, max_running)      # as ModelRunner: a decode row each
+        self.sched: Optional[Scheduler] = None
+        self.steps: list[Step] = []
+        self.copies: list[tuple[int, int]] = []
+        self.slot_sets: list[tuple[int, list[int], list[int]]] = []
+        self.prompt_lp_calls: list[tuple[int, list[int], int]] = []   # (hidden rows, next tokens, n)
 
-    def prefill_shape(self, lens, kv_lens):
-        return _pick(self.prefill_batch_buckets, len(lens)), _pick(self.token_buckets, max(lens)), 0
+    def _snapshot(self) -> tuple[list[Decoding], list[Prefilling]]:
+        s = self.sched
+        running = [Decoding(q.req.request_id, q.index, q.slot, q.tokens[-1], q.total_len - 1) for q in s.running]
+        prefilling = [Prefilling(q.req.request_id, list(q.tokens), q.num_computed, q.target_computed,
+                                 [q.slot] + [f.slot for f in q.followers], bool(q.output_ids)) for q in s.prefilling]
+        return running, prefilling
+
+    def step(self, rows: list[StepRow], greedy: bool) -> StepResult:
+        running, prefilling = self._snapshot()
+        rows = [StepRow(list(r.tokens), r.start, list(r.pages), list(r.samples)) for r in rows]
+        self.steps.append(Step(rows, greedy, running, prefilling))
+        toks = [(r.tokens[-1] + 1) % VOCAB for r in rows for _ in r.samples]
+        n, T = len(toks), sum(len(r.tokens) for r in rows)
+        starts = np.cumsum([0] + [len(r.tokens) for r in rows])[:-1].tolist()
+        return StepResult(np.array(toks, np.int64), np.zeros(n, np.float32), np.zeros((n, 0), np.float32),
+                          np.zeros((n, 0), np.int64), starts, lambda: np.zeros((T, HIDDEN), np.float32))
+
+    def prompt_logprobs(self, h_rows, next_tokens, n):
+        """Logprob -t for next token t (so a test can tell positions apart); no top-N."""
+        self.prompt_lp_calls.append((len(h_rows), list(next_tokens), n))
+        chosen = np.zeros(n, np.float32)
+        chosen[:len(next_tokens[:n])] = [-t for t in next_tokens[:n]]
+        return chosen, np.zeros((n, 0), np.float32), np.zeros((n, 0), np.int64)
 
     def set_slot(self, slot, prompt_ids, output_ids):
-        pass
-
-    def prefill(self, chunks):
-        self.prefills.append([(list(t), start, list(pages)) for t, start, pages in chunks])
-        self.events.append("prefill")
-        return [t[-1] for t, _, _ in chunks], lambda: None
-
-    def first_tokens(self, raw, rows, slots):
-        n = len(rows)
-        return np.full(n, (raw + 1) % VOCAB), np.zeros(n), np.zeros((n, 0)), np.zeros((n, 0), np.int64)
-
-    def decode(self, rows, greedy):
-        self.decodes.append(rows)
-        self.events.append("decode")
-        n = len(rows)
-        return np.array([(r.token + 1) % VOCAB for r in rows]), np.zeros(n), np.zeros((n, 0)), np.zeros((n, 0), np.int64)
+        self.slot_sets.append((slot, list(prompt_ids), list(output_ids)))
 
     def copy_page(self, src, dst):
-        pass
+        self.copies.append((src, dst))
 
     def state_lost(self) -> bool:
         return False
@@ -65,14 +125,16 @@ class FakeRunner:
 
 def make(num_pages: int = 64, **runner_kw) -> Scheduler:
     runner = FakeRunner(**runner_kw)
-    return Scheduler(runner, PagePool(num_pages, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake")
+    sched = Scheduler(runner, PagePool(num_pages, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake")
+    runner.sched = sched
+    return sched
 
 
-def submit(sched: Scheduler, rid: str, prompt: list[int], n: int) -> list:
+def submit(sched: Scheduler, rid: str, prompt: list[int], new: int, n: int = 1, **params) -> list:
     outs: list = []
-    req = Request(request_id=rid, prompt_ids=list(prompt), params=SamplingParams(temperature=0.0, ignore_eos=True),
-                  sink=outs.append, max_new_tokens=n)
-    req.seqs.append(Sequence(req=req, index=0))
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, n=n, **params)
+    req = Request(request_id=rid, prompt_ids=list(prompt), params=sp, sink=outs.append, max_new_tokens=new)
+    req.seqs.extend(Sequence(req=req, index=i) for i in range(n))
     sched.submit(req)
     return outs
 
@@ -88,50 +150,134 @@ def run(sched: Scheduler, max_steps: int = 500) -> int:
     return steps
 
 
-def tokens(outs: list) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
+def tokens(outs: list, index: int = 0) -> list[int]:
+    return [t for o in outs if o.index == index for t in o.new_token_ids]
+
+
+def check_contract(sched: Scheduler) -> None:
+    """The ragged-step contract, on every step the fake runner saw."""
+    r = sched.runner
+    ps = r.rc.page_size
+    for i, st in enumerate(r.steps):
+        where = f"step {i}: {st}"
+        assert 0 < st.num_tokens <= r.max_tokens, where
+        # decode rows first: one per running sequence, in order, its last token at its position
+        assert len(st.rows) >= len(st.running), where
+        for d, row in zip(st.running, st.decode_rows):
+            assert row.tokens == [d.last] and row.start == d.position, where
+            assert [s.slot_id for s in row.samples] == [d.slot], where
+        # then prefill chunks, FIFO over the prefilling sequences; only the budget cuts them
+        chunks = st.chunks
+        assert len(st.rows) - len(st.running) == len(chunks) <= len(st.prefilling), where
+        for k, (p, row) in enumerate(chunks):
+            end = row.start + len(row.tokens)
+            assert row.start == p.computed and 0 < len(row.tokens) and end <= p.target, where
+            assert row.tokens == p.tokens[row.start:end], where
+            if end < p.target:              # a cut chunk is the last one and the budget is spent
+                assert k == len(chunks) - 1 and st.num_tokens == r.max_tokens, where
+            ends_prompt = end == p.target and not p.resumes
+            assert [s.slot_id for s in row.samples] == (p.slots if ends_prompt else []), where
+        if len(chunks) < len(st.prefilling):
+            assert st.num_tokens == r.max_tokens, where
+        # every row's page table covers its tokens; every sample is a distinct sequence's slot
+        for row in st.rows:
+            assert len(row.pages) * ps >= row.start + len(row.tokens) and 0 not in row.pages, where
+            assert all(isinstance(s, SampleRow) for s in row.samples), where
+        slots = [s.slot_id for row in st.rows for s in row.samples]
+        assert len(set(slots)) == len(slots) and all(0 <= s < sched.max_running for s in slots), where
+        assert st.greedy                    # every request here is greedy
 
 
 def assert_idle_and_clean(sched: Scheduler) -> None:
     assert sched.load() == 0 and not (sched.waiting or sched.prefilling or sched.running)
     assert sched.pool.num_used() == 0, "pages leaked"
     assert sorted(sched.free_slots) == list(range(sched.max_running)), "slots leaked"
+    check_contract(sched)
 
 
 def test_deterministic_tokens_length_finish_and_clean_pool():
     sched = make()
     outs = submit(sched, "a", [1, 2, 3, 4, 5], 4)
-    run(sched)
+    assert run(sched) == 4                          # the prompt's step draws the first token
     assert tokens(outs) == [6, 7, 8, 9]
     assert [o.finished for o in outs] == [False, False, False, True] and outs[-1].finish_reason == "length"
     assert outs[-1].prompt_tokens == 5 and outs[-1].completion_tokens == 4
     assert sched.total_prompt_tokens == 5 and sched.total_generated_tokens == 4
+    steps = sched.runner.steps
+    assert [(len(s.running), [len(r.tokens) for r in s.rows]) for s in steps] == [(0, [5]), (1, [1]), (1, [1]), (1, [1])]
+    assert [r.start for s in steps for r in s.rows] == [0, 5, 6, 7]
     assert_idle_and_clean(sched)
 
 
-def test_prefill_stays_under_the_token_budget_and_a_long_prompt_does_not_stall_decoding():
+def test_a_long_prompt_is_chunked_under_the_budget_while_decoding_goes_on_in_the_same_steps():
     sched = make(max_batched_tokens=16)
     r = sched.runner
     short = submit(sched, "short", [10, 11, 12], 12)
     sched._drain_control()
-    sched.step()                                    # "short" is prefilled and decoding
-    assert sched.running and r.events == ["prefill", "decode"]
+    sched.step()                                    # "short": prompt and first token in one step
+    assert sched.running and len(r.steps) == 1 and tokens(short) == [13]
     long_prompt = list(range(100, 140))             # 40 tokens: more than one chunk
     longer = submit(sched, "long", long_prompt, 3)
     other = submit(sched, "other", [200] * 12, 3)
     run(sched)
-    for call in r.prefills:
-        lens = [len(t) for t, _, _ in call]
-        rows, width, _ = r.prefill_shape(lens, lens)
-        assert rows * width <= r.rc.max_batched_tokens, call
-        assert max(lens) <= r.token_buckets[-1]
-    # the long prompt went in several chunks at increasing start positions, each followed by a decode
-    starts = [start for call in r.prefills for t, start, _ in call if t[0] in long_prompt]
-    assert len(starts) >= 3 and starts == sorted(starts) and starts[0] == 0
-    first, last = r.events.index("prefill", 2), len(r.events) - 1 - r.events[::-1].index("prefill")
-    assert all(b == "decode" for a, b in zip(r.events[first:last], r.events[first + 1:last + 1]) if a == "prefill")
+    assert all(s.num_tokens <= r.max_tokens == 16 for s in r.steps)
+    # the long prompt went in chunks at increasing start positions, one per step, filling the budget
+    # that "short"'s decode token left, and "short" decoded in every one of those steps
+    long_steps = [(i, row) for i, s in enumerate(r.steps) for p, row in s.chunks if p.rid == "long"]
+    assert [row.start for _, row in long_steps] == [0, 15, 30]
+    assert [len(row.tokens) for _, row in long_steps] == [15, 15, 10]
+    assert [i for i, _ in long_steps] == [1, 2, 3]
+    assert all(r.steps[i].decoded("short") and r.steps[i].decode_rows[0].tokens == [tokens(short)[i - 1]]
+               for i, _ in long_steps)
+    # the decode stream never skipped a step: one token per step from its first to its last
+    short_steps = [i for i, s in enumerate(r.steps) if s.decoded("short")]
+    assert short_steps == list(range(1, 12))
+    # the chunk ending the long prompt sampled its first token; "other"'s first chunk shared its step
+    last = r.steps[3]
+    assert [(p.rid, row.start, len(row.tokens), len(row.samples)) for p, row in last.chunks] == [
+        ("long", 30, 10, 1), ("other", 0, 5, 0)]
+    assert [len(row.tokens) for row in last.rows] == [1, 10, 5] and last.num_tokens == 16
+    # the step after: two decode rows, then the rest of "other"'s prompt with its first token
+    nxt = r.steps[4]
+    assert [d.rid for d in nxt.running] == ["short", "long"]
+    assert [(p.rid, row.start, len(row.tokens), len(row.samples)) for p, row in nxt.chunks] == [("other", 5, 7, 1)]
     assert tokens(short) == list(range(13, 25))
     assert tokens(longer) == [140, 141, 142] and tokens(other) == [201, 202, 203]
+    assert_idle_and_clean(sched)
+
+
+def test_chunks_of_several_prompts_share_one_step():
+    sched = make(max_batched_tokens=16, max_running=4)
+    outs = [submit(sched, f"p{i}", [i * 100 + j for j in range(4)], 2) for i in range(3)]
+    assert run(sched) == 2
+    first = sched.runner.steps[0]
+    assert not first.running
+    assert [(p.rid, row.start, row.tokens, len(row.samples)) for p, row in first.chunks] == [
+        (f"p{i}", 0, [i * 100 + j for j in range(4)], 1) for i in range(3)]
+    second = sched.runner.steps[1]
+    assert [(d.rid, row.tokens) for d, row in zip(second.running, second.decode_rows)] == [
+        (f"p{i}", [i * 100 + 4]) for i in range(3)]
+    assert [tokens(o) for o in outs] == [[i * 100 + 4, i * 100 + 5] for i in range(3)]
+    assert_idle_and_clean(sched)
+
+
+def test_the_chunk_ending_an_n3_prompt_samples_all_three_sequences():
+    sched = make(max_batched_tokens=4, max_running=4, page_size=4)
+    prompt = list(range(1, 7))                      # 6 tokens: two chunks; the last page is partial
+    outs = submit(sched, "n3", prompt, 3, n=3)
+    run(sched)
+    r = sched.runner
+    chunks = [(i, row) for i, s in enumerate(r.steps) for _, row in s.chunks]
+    assert [(i, row.start, row.tokens) for i, row in chunks] == [(0, 0, [1, 2, 3, 4]), (1, 4, [5, 6])]
+    assert chunks[0][1].samples == []               # the first chunk ends nothing
+    samples = chunks[1][1].samples
+    assert len(samples) == 3 and len({s.slot_id for s in samples}) == 3
+    # each fork copied the leader's partial page; then three decode rows per step
+    assert len(r.copies) == 2 and len({dst for _, dst in r.copies}) == 2
+    assert [len(s.running) for s in r.steps[2:]] == [3, 3]
+    assert [d.index for d in r.steps[2].running] == [0, 1, 2]
+    assert [tokens(outs, i) for i in range(3)] == [[7, 8, 9]] * 3
+    assert sum(o.finished for o in outs) == 3
     assert_idle_and_clean(sched)
 
 
@@ -143,6 +289,7 @@ def test_rows_limit_admission():
     assert len(sched.running) + len(sched.prefilling) == 2 and len(sched.waiting) == 2
     run(sched)
     assert [tokens(o) for o in outs] == [[i * 10 + 3, i * 10 + 4, i * 10 + 5] for i in range(4)]
+    assert max(len(s.rows) for s in sched.runner.steps) == 2
     assert_idle_and_clean(sched)
 
 
@@ -151,11 +298,13 @@ def test_prefix_pages_are_reused_by_a_later_request():
     first = submit(sched, "a", list(range(1, 13)), 2)           # 12 tokens: 3 full pages
     run(sched)
     assert first[-1].cached_tokens == 0
+    n_before = len(sched.runner.steps)
     second = submit(sched, "b", list(range(1, 9)) + [70, 71, 72, 73, 74], 2)
     run(sched)
     assert second[-1].cached_tokens == 8                         # the two shared full pages
-    starts = [start for t, start, _ in sched.runner.prefills[-1]]
-    assert starts == [8]                                         # only the new tokens were computed
+    chunks = [row for s in sched.runner.steps[n_before:] for _, row in s.chunks]
+    assert [(row.start, row.tokens) for row in chunks] == [(8, [70, 71, 72, 73, 74])]   # only the new tokens
+    assert chunks[0].pages[:2] == sched.runner.steps[0].rows[0].pages[:2]                # the cached pages
     assert tokens(second) == [75, 76]
     assert sched.pool.hit_tokens == 8
     assert_idle_and_clean(sched)
@@ -171,8 +320,12 @@ def test_pages_running_out_preempt_the_newest_and_it_is_recomputed():
     assert tokens(a) == list(range(9, 21)) and tokens(b) == list(range(58, 70))
     assert a[-1].finish_reason == b[-1].finish_reason == "length"
     # the victim is the newer request; its prompt and generated tokens were computed again
-    recomputed = [start for call in sched.runner.prefills for t, start, _ in call if t[0] == 50]
-    assert len(recomputed) >= 2
+    b_chunks = [(p, row) for s in sched.runner.steps for p, row in s.chunks if p.rid == "b"]
+    assert [row.start for _, row in b_chunks].count(0) >= 2
+    recomputes = [(p, row) for p, row in b_chunks if p.resumes]
+    assert recomputes and all(row.samples == [] for _, row in recomputes)             # no token drawn twice
+    assert all(row.tokens == p.tokens[row.start:row.start + len(row.tokens)] and len(row.tokens) > 8
+               for p, row in recomputes if row.start == 0)                           # prompt + outputs
     assert_idle_and_clean(sched)
 
 
@@ -182,6 +335,7 @@ def test_abort_while_waiting_and_while_running_returns_everything():
     assert sched.abort("w") and not sched.abort("nope")
     run(sched)
     assert [(o.finish_reason, o.new_token_ids) for o in waiting] == [("abort", [])]
+    assert sched.runner.steps == []
     running = submit(sched, "r", [1, 2, 3, 4, 5, 6], 100)
     sched._drain_control()
     for _ in range(3):
@@ -190,7 +344,7 @@ def test_abort_while_waiting_and_while_running_returns_everything():
     assert sched.abort("r")
     sched._drain_control()
     assert running[-1].finished and running[-1].finish_reason == "abort"
-    assert tokens(running) == [7, 8, 9, 10]              # step 1 prefills and decodes: 2 tokens
+    assert tokens(running) == [7, 8, 9]                  # step 1 prefills and draws the first token
     assert_idle_and_clean(sched)
 
 
@@ -201,6 +355,19 @@ def test_a_request_larger_than_the_pool_fails_alone():
     run(sched)
     assert big[-1].finish_reason == "error" and "needs 5 KV pages but the pool has 3" in big[-1].error
     assert tokens(small) == [3, 4]
+    assert all(p.rid == "small" for s in sched.runner.steps for p, _ in s.chunks)
+    assert_idle_and_clean(sched)
+
+
+def test_prompt_logprobs_follow_the_chunks():
+    sched = make(max_batched_tokens=4)
+    prompt = [11, 12, 13, 14, 15, 16, 17]                       # chunks of 4 + 3
+    outs = submit(sched, "lp", prompt, 2, prompt_logprobs_start=0)
+    run(sched)
+    # each chunk's hidden rows, with the next prompt token of every position (none after the last)
+    assert sched.runner.prompt_lp_calls == [(4, [12, 13, 14, 15], 4), (3, [16, 17], 3)]
+    assert outs[0].prompt_logprobs == [None] + [TokenLogprob(t, float(-t), []) for t in prompt[1:]]
+    assert tokens(outs) == [18, 19]
     assert_idle_and_clean(sched)
 
 
@@ -212,4 +379,16 @@ def test_a_consumer_that_raises_aborts_its_request():
     sched.submit(req)
     run(sched)
     assert req.aborted and sched.total_generated_tokens < 50
+    assert_idle_and_clean(sched)
+
+
+def test_the_budget_is_never_below_one_decode_row_per_running_sequence():
+    sched = make(max_running=4, max_batched_tokens=2)           # the runner raises the budget to 4
+    outs = [submit(sched, f"q{i}", [i + 1] * 3, 8) for i in range(4)]
+    run(sched)
+    r = sched.runner
+    assert sched.budget == r.max_tokens == 4
+    assert any(len(s.running) == 4 for s in r.steps)         # four decode rows fill a step
+    assert [tokens(o) for o in outs] == [list(range(i + 2, i + 10)) for i in range(4)]
+    assert all(s.num_tokens <= 4 for s in r.steps)
     assert_idle_and_clean(sched)
