@@ -144,9 +144,10 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
         help="compiled KV-length buckets step by this factor: smaller pads less, larger compiles fewer programs")
     opt(m, "--num-pages", type=_positive, default=None, help="KV-cache pages (default: from memory)")
     opt(m, "--max-running-requests", type=_positive, default=d["max_running_requests"],
-        help="batch limit; defines the request buckets")
+        help="batch limit: sequences decoding at once (a request's n counts n times)")
     opt(m, "--max-num-batched-tokens", type=_positive, default=d["max_num_batched_tokens"],
-        help="tokens per step; defines the token buckets")
+        help="token budget of one ragged step (decode tokens first, prefill chunks in the rest); defines the token "
+             "buckets (default: 64 on CPU, 2048 on GPU / TPU)")
     opt(m, "--max-waiting-requests", type=_positive, default=d["max_waiting_requests"],
         help="queue bound; beyond it requests are refused as overloaded (429 / RESOURCE_EXHAUSTED)")
     pc = m.add_mutually_exclusive_group()

@@ -151,6 +151,7 @@ class ModelStats:
     prefix_cache_miss_tokens: int = 0
     compilations_after_warmup: int = 0
     max_running_requests: int = 0
+    max_num_batched_tokens: int = 0      # the ragged step's token budget (per replica)
     preemptions: int = 0
     matmul_routes: list[MatmulRoute] = field(default_factory=list)
     replicas: list["ModelStats"] = field(default_factory=list)

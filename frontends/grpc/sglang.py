@@ -171,6 +171,7 @@ class SglangServicer(pb_grpc.SglangSchedulerServicer):
             info = self._main_model()
             stats = self.engine.stats(info.name)
             scheduler_info.update(model=info.name, max_total_num_tokens=stats.pages_total * stats.page_size,
+                                  max_num_batched_tokens=stats.max_num_batched_tokens,
                                   page_size=stats.page_size, max_req_input_len=self._max_req_input_len(info),
                                   max_model_len=info.max_model_len)
         except EngineError:

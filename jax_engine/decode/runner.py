@@ -62,6 +62,23 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
     return sorted(set(out))
 
 
+def step_buckets(hi: int, fine_from: int = 64) -> list[int]:
+    """Token buckets of the step program: powers of two up to `fine_from`, then four per octave
+    (x1, x1.25, x1.5, x1.75: 64, 80, 96, 112, 128, 160, ...), and `hi` itself.
+
+    Why the finer steps: a ragged step is usually a prompt chunk plus a few decode tokens, so with
+    powers of two a 128-token prompt beside 3 decoding streams (131 tokens) ran in the 256 bucket
+    at twice the work; on the 'small' model at 1 req/s that put the inter-token p99 at 230 ms
+    against a 24 ms median (9.6x). Padding is now at most 25 % above 64 tokens; a step program
+    compiles in ~0.3 s (demo model), so the extra buckets cost little at start-up."""
+    out = [b for b in pow2_buckets(1, hi) if b <= fine_from]
+    b = fine_from
+    while b < hi:
+        out += [b + b * i // 4 for i in range(4)]
+        b *= 2
+    return sorted({x for x in out if x < hi} | {hi})
+
+
 def page_buckets(p_max: int, ratio: int = 2) -> list[int]:
     """Page-count buckets p_max, p_max/ratio, ... 1, for backends whose step cost grows with the
     page table's width (the reference gathers every token's whole bucket). Ratio 2 wastes at most
@@ -155,7 +172,7 @@ class ModelRunner:
         self.dtype = dtype
         # every running row decodes in every step, so the budget is never below the row count
         self.max_tokens = max(rc.max_batched_tokens, rc.max_running)
-        self.token_buckets = pow2_buckets(1, self.max_tokens)
+        self.token_buckets = step_buckets(self.max_tokens)
         self.lp_buckets = pow2_buckets(min(rc.min_token_bucket, self.max_tokens), self.max_tokens)
         self.p_max = math.ceil(rc.max_model_len / rc.page_size)
         be = attention.get(cfg.attention_backend)

@@ -361,9 +361,9 @@ class GenerateWorker:
                 total_generated_tokens=s.total_generated_tokens, prefix_cache_hit_tokens=pool.hit_tokens,
                 prefix_cache_miss_tokens=pool.miss_tokens,
                 compilations_after_warmup=s.runner.programs.compilations_after_warmup,
-                max_running_requests=s.max_running, preemptions=s.preemptions))
+                max_running_requests=s.max_running, max_num_batched_tokens=s.budget, preemptions=s.preemptions))
         tot = ModelStats(name=self.spec.name, page_size=self.page_size, replicas=per,
-                         matmul_routes=self._matmul_routes())
+                         max_num_batched_tokens=self.replicas[0].budget, matmul_routes=self._matmul_routes())
         for f in ("running_requests", "waiting_requests", "pages_total", "pages_used", "pages_free",
                   "prefill_tokens_per_s", "decode_tokens_per_s", "total_prompt_tokens", "total_generated_tokens",
                   "prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "compilations_after_warmup",

@@ -137,8 +137,8 @@ def test_report_lines_name_the_host_and_the_ratios():
 
 def test_settings_defaults_quick_and_full():
     full = R.settings(R.parse_args([]))
-    assert full["model"] == "small" and full["streams"] == 32 and full["budget"] == 512
-    assert full["rates"] == [0.5, 1.0, 2.0] and full["budgets"] == [64, 128, 256, 512, 1024]
+    assert full["model"] == "small" and full["streams"] == 32 and full["budget"] == 64 and full["split_budget"] == 512
+    assert full["rates"] == [0.5, 1.0, 2.0] and full["budgets"] == [64, 96, 128, 256, 512]
     assert full["sweep_rates"] == [1.0, 2.0] and full["prompt_len"] == 128 and full["new_tokens"] == 128
     assert full["max_model_len"] == 512 and full["split_commit"] == "fa23e3a" and full["split_warmup"] == "aot"
     quick = R.settings(R.parse_args(["--quick", "--rates", "1,4"]))
