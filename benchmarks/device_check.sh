@@ -15,9 +15,14 @@
 #   bash benchmarks/device_check.sh --dry-run            # the same code on CPU, tiny shapes (< 2 minutes),
 #        # in ${TMPDIR:-/tmp}/xlaserve-device-check-dry-run unless --work DIR (tests/e2e/test_device_check.py)
 #
-# Expected time on an H200 (estimates, never measured): parity ~1 min (4 tiny engines, lazy
-# compiles), bench ~3 min (2.1 GiB model written, ~95 programs compiled, 3 batch sizes x 3 runs),
-# serve ~1 min (the server's warmup reads the programs from the compilation cache the bench filled).
+# Every step runs the engine's ONE ragged step program per scheduler step (decode tokens and
+# prefill chunks in one flat token list; jax_engine/decode/runner.py): parity decodes all prompts
+# together and again staggered (the first prompt decoding while the others' chunks join its
+# steps: greedy_staggered), against transformers; the bench records the step's token and page
+# buckets. Expected time on an H200 (estimates, never measured): parity ~1 min (4 tiny engines,
+# lazy compiles), bench ~3 min (2.1 GiB model written, ~41 programs compiled: 19 step token
+# buckets, 14 draw, 6 prompt-logprobs, 2 small; 3 batch sizes x 3 runs), serve ~1 min (the
+# server's warmup reads the programs from the compilation cache the bench filled).
 # Each step starts only with enough of the budget left; a step that fails or is skipped is
 # recorded and the others still run. If the driver dies, the last line is still one JSON object.
 #

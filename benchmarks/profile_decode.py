@@ -9,7 +9,7 @@ Layers timed (each the median and minimum of many calls, context ~ prompt + new/
   runner_decode           ModelRunner.step() over the B decode rows: host arrays -> device_put ->
                           program -> fetch
   runner_host_args        ModelRunner._step_args() alone (numpy rows, sampling arrays, device_put)
-  decode_program          the compiled step + draw_greedy programs alone (args prebuilt, state donated)
+  decode_program          the compiled step_greedy program alone (args prebuilt, state donated)
   bare_forward            jit(llama.forward + lm_head + argmax) with the same StepInputs (no sampling)
   weights_gemv_chain      only the layer matmuls + lm_head on one token (reads every weight once),
                           each matrix on the path (CPU kernel or XLA) llama.forward routes it to
@@ -158,17 +158,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     res["runner_decode"] = bench(lambda: runner.step(rows, True), iters)
     res["runner_host_args"] = bench(lambda: runner._step_args(rows, True), iters)
 
-    # a decode step is two programs back to back: step (args: params, state, StepInputs, sample_idx;
-    # key: token bucket, page bucket) and draw_greedy over its R rows (state, raw logits, slot ids, sampling)
-    prog = "step"
+    # a greedy decode step is one program, step_greedy (args: params, state, StepInputs, sample_idx,
+    # slot ids, sampling; key: token bucket, page bucket)
+    prog = "step_greedy"
     key, args, draw_args = runner._step_args(rows, True)
+    args = (*args, *draw_args)
     exe = runner.programs.get(prog, key, args)
     R = runner.rows_for(key[0])         # the program's rows (B real, the rest padding)
-    draw = runner.programs.get("draw_greedy", (R,), runner._example("draw_greedy", (R,)))
 
     def run_program() -> None:
-        (raw, _), runner.state = exe(args[0], runner.state, *args[2:])
-        out, runner.state = draw(runner.state, raw, *draw_args)
+        out, runner.state = exe(args[0], runner.state, *args[2:])
         jax.block_until_ready(out)
 
     res["decode_program"] = bench(run_program, iters)
@@ -186,11 +185,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     small_pb = runner.page_buckets[0] if len(runner.page_buckets) == 1 else runner.page_buckets[-2]
     short = min(ctx, small_pb * ps)
     key_s, args_s, draw_s = runner._step_args([make_row(i, short) for i in range(B)], True)
-    exe_s = runner.programs.get("step", key_s, args_s)
+    args_s = (*args_s, *draw_s)
+    exe_s = runner.programs.get(prog, key_s, args_s)
 
     def run_small() -> None:
-        (raw, _), runner.state = exe_s(*(args_s[0], runner.state, *args_s[2:]))
-        out, runner.state = draw(runner.state, raw, *draw_s)
+        out, runner.state = exe_s(*(args_s[0], runner.state, *args_s[2:]))
         jax.block_until_ready(out)
 
     res["decode_program_small_page_bucket"] = bench(run_small, iters)

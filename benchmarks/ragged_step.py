@@ -743,7 +743,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                 doc["saturation"] = bench.phase_saturation()
             if "poisson" in run["phases"]:
                 doc["poisson"] = bench.phase_poisson()
-            doc["compiles"] = {name: compile_summary(bench.loads[f"{name}@{run['budget']}"], bench.procs[name].call("counts"),
+            budgets = {"ragged": run["budget"], "split": run.get("split_budget", run["budget"])}
+            doc["compiles"] = {name: compile_summary(bench.loads[f"{name}@{budgets[name]}"], bench.procs[name].call("counts"),
                                                      timed_runs(doc, name)) for name in TREES}
             bench.close()
         if "sweep" in run["phases"]:

@@ -182,7 +182,7 @@ def fault(engine, program: str | None, times: int = 1, delay_s: float = 0.0):
         if program and name.startswith(program) and left["n"] > 0:
             left["n"] -= 1
             raise RuntimeError(f"injected {program} fault")
-        if delay_s and name == "step":
+        if delay_s and name.startswith("step"):
             time.sleep(delay_s)
 
     previous = runner.fault_hook
@@ -915,7 +915,7 @@ def test_row21_fault_in_one_step_fails_only_its_requests_on_every_front(http_url
         previous = runner.fault_hook
 
         def prefill_step_fault(name: str) -> None:
-            if name == "step" and sched.prefilling and armed["n"]:      # the new prompt is in this step
+            if name.startswith("step") and sched.prefilling and armed["n"]:      # the new prompt is in this step
                 armed["n"] = 0
                 raise RuntimeError("injected step fault")
             previous(name)

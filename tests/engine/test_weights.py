@@ -76,7 +76,7 @@ def test_no_compilation_after_warmup_for_every_bucket(src):
     # run every compiled shape once with real arguments built by the serving path
     for prog, key in runner.all_keys():
         out = runner._run(prog, key, runner._example(prog, key))
-        if prog == "step" or prog.startswith("draw"):
+        if prog.startswith(("step", "draw")):
             runner.state = out[1]
         elif prog in ("copy_page", "set_slot"):
             runner.state = out
