@@ -368,9 +368,15 @@ def sec_serve(s: dict, quick: bool) -> list[str]:
     if end is not None:
         lines.append(f"- Server compilations after warmup (/metrics): {end}.")
     if "poisson" in s:
-        lines += ["", ("| protocol | offered req/s, as sent (nominal) | completed req/s | output tok/s | "
-                      "TTFT p50 / p99 ms | ITL p50 / p99 ms | errors | others' CPU share |"),
-                  "|---|---|---|---|---|---|---|---|"]
+        setup = s.get("setup") or {}
+        how = ("the server restarted at its default token budget" if (s.get("server") or {}).get("cmd_poisson")
+               else "the server above")
+        lines += ["", (f"Poisson arrivals ({how}); prompt lengths {setup.get('prompt_tokens_range')}, "
+                       f"outputs {setup.get('output_tokens_range')} tokens, drawn with seed {setup.get('seed')}; "
+                       "ITL p99/p50 target ≤ 4× (the ragged-step issue):"), "",
+                  ("| protocol | offered req/s, as sent (nominal) | completed req/s | output tok/s | "
+                   "TTFT p50 / p99 ms | ITL p50 / p99 ms | ITL p99/p50 | errors | others' CPU share |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
         for proto, label in (("grpc", "gRPC SGLang"), ("http", "HTTP OpenAI chat")):
             for m in s["poisson"][proto]:
                 nominal = m.get("nominal_rate_rps")
@@ -378,9 +384,19 @@ def sec_serve(s: dict, quick: bool) -> list[str]:
                              f"{f' ({nominal:g})' if nominal is not None else ''} | "
                              f"{_f(m.get('completed_rps'), '{:.2f}')} | {_f(m.get('output_tok_s'))} | "
                              f"{_f(m['ttft_ms'].get('p50'), '{:.0f}')} / {_f(m['ttft_ms'].get('p99'), '{:.0f}')} | "
-                             f"{_f(m['itl_ms'].get('p50'))} / {_f(m['itl_ms'].get('p99'))} | {m['errors']} | "
+                             f"{_f(m['itl_ms'].get('p50'))} / {_f(m['itl_ms'].get('p99'))} | "
+                             f"{_spread(m['itl_ms'])} | {m['errors']} | "
                              f"{(m.get('cpu') or {}).get('others_share_of_cores')} |")
     return lines + ["", *_plots(s), ""]
+
+
+def _spread(itl: dict) -> str:
+    """ITL p99 / p50 with its mark against the ragged-step issue's 4x."""
+    p50, p99 = itl.get("p50"), itl.get("p99")
+    if not p50 or p99 is None:
+        return "–"
+    r = p99 / p50
+    return f"{r:.1f}× {'✅' if r <= 4.0 else '❌'}"
 
 
 # the ragged step issue's goals, for results files that lack their `targets` (ragged_step.py has the same)

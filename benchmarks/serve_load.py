@@ -18,9 +18,11 @@ Phases:
   3. Poisson load: for each rate, requests arrive with exponential gaps; prompt and output
      lengths are drawn uniformly from a fixed seed (the same draw for every rate and protocol).
      Protocols: SGLang `Generate` streaming over gRPC (token ids) and OpenAI chat streaming
-     over HTTP (the same prompts as text). Per rate: the rate actually sent (n - 1 gaps over
-     first-to-last send; the nominal rate is kept beside it), output tokens/s, TTFT and
-     inter-token latency p50/p99, errors. Plot: latency against the offered (sent) load.
+     over HTTP (the same prompts as text). The server is restarted for this phase at its default
+     token budget (phases 1-2 use 128 per stream, as the in-process engine they compare with).
+     Per rate: the rate actually sent (n - 1 gaps over first-to-last send; the nominal rate is
+     kept beside it), output tokens/s, TTFT and inter-token latency p50/p99, errors. Plot:
+     latency against the offered (sent) load.
 The server's compile counter (/metrics) is read after warmup and at the end; the peer probes
 the read bandwidth at the start and the end (the host line quotes the best).
 
@@ -112,10 +114,13 @@ class Server:
 
 
 def bench_server_args(gen_path: str, embed_path: str | None, max_running: int, max_model_len: int,
-                      log_level: str = "warning") -> list[str]:
-    """The serve flags of this benchmark: the engine settings generate_vs_hf uses."""
+                      log_level: str = "warning", default_budget: bool = False) -> list[str]:
+    """The serve flags of this benchmark: the engine settings generate_vs_hf uses (a token budget of
+    128 per stream, so phase 2's prompts prefill as in-process), or with default_budget the
+    server's own default token budget (the Poisson phase: what a user who sets nothing gets)."""
     models = ["--model", f"{GEN_MODEL}={gen_path}"] + (["--model", f"{EMBED_MODEL}={embed_path}"] if embed_path else [])
-    return [*models, "--max-running-requests", str(max_running), "--max-num-batched-tokens", str(max_running * 128),
+    budget = [] if default_budget else ["--max-num-batched-tokens", str(max_running * 128)]
+    return [*models, "--max-running-requests", str(max_running), *budget,
             "--max-model-len", str(max_model_len), "--page-size", "16", "--no-prefix-cache", "--log-level", log_level]
 
 
@@ -379,6 +384,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if "streams" in phases:
             doc["streams"] = phase_streams(loop, clients, gen_path, streams, s_prompt, s_new, repeats, retries,
                                            max_model_len, pids, quiet_s)
+        if "poisson" in phases and server is not None:
+            # the Poisson phase runs on a server at its default token budget (what a user who sets
+            # nothing gets); phases 1-2 ran at 128 tokens per stream, as the in-process engine
+            loop.run_until_complete(clients.close())
+            doc["server"]["exit_code_phases_1_2"] = server.stop()
+            C.log("restarting xlaserve serve at the default token budget for the Poisson phase ...")
+            server = Server(bench_server_args(gen_path, embed_path, streams, max_model_len, default_budget=True))
+            grpc_addr, http_url = server.grpc, server.http
+            doc["server"]["cmd_poisson"] = " ".join(server.cmd[1:])
+            pids = [server.proc.pid, peer.pid]
+            total.pids = sorted(set(total.pids) | set(pids))
+            doc["server"]["ready_s_poisson"] = C.rnd(server.wait_ready(900), 1)
+            clients = loop.run_until_complete(_make_clients(grpc_addr, http_url))
         if "poisson" in phases:
             from transformers import AutoTokenizer
 
