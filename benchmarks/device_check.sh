@@ -20,8 +20,8 @@
 # together and again staggered (the first prompt decoding while the others' chunks join its
 # steps: greedy_staggered), against transformers; the bench records the step's token and page
 # buckets. Expected time on an H200 (estimates, never measured): parity ~1 min (4 tiny engines,
-# lazy compiles), bench ~3 min (2.1 GiB model written, ~53 programs compiled: 19 token buckets
-# x 2 (greedy step, step), 7 sampling draws, 6 prompt-logprobs, 2 small; 3 batch sizes x 3 runs), serve ~1 min (the
+# lazy compiles), bench ~3 min (2.1 GiB model written, ~46 programs compiled: 19 token buckets
+# x 2 (greedy, sampling), 6 prompt-logprobs, 2 small; 3 batch sizes x 3 runs), serve ~1 min (the
 # server's warmup reads the programs from the compilation cache the bench filled).
 # Each step starts only with enough of the budget left; a step that fails or is skipped is
 # recorded and the others still run. If the driver dies, the last line is still one JSON object.

@@ -1,26 +1,23 @@
 """The decoder's compiled programs and device state; the single owner of static shapes.
 
 Programs (each compiled ahead of time per bucket at warmup, looked up through ProgramCache):
-  step_greedy[T, P]           ONE ragged step: T query tokens (every running sequence's next
+  step_{greedy,sample}[T, P]  ONE ragged step: T query tokens (every running sequence's next
                               token and prefill chunks, flat) over R = min(T, max_running) rows
                               with P-page tables: writes their KV, attends, and draws the next
-                              token greedily for every sample row (a decode row, a chunk that ends
-                              a prompt, n > 1 forks of it) with penalties, bias, bans, logprobs
-                              and the penalty-count update fused in; also returns the T final
-                              hidden states (prompt logprobs, embeddings)
-  step[T, P] + draw_sample[R] the same when any row samples: the step leaves the raw logits of
-                              the R rows on the device and the draw (top-k / top-p / min-p,
-                              seeded) runs right after it
+                              token for every sample row (a decode row, a chunk that ends a
+                              prompt, n > 1 forks of it) with penalties, bias, bans, logprobs and
+                              the penalty-count update fused in; also returns the T final hidden
+                              states (prompt logprobs, embeddings)
   prompt_logprobs[T]          logprobs of the next prompt token at every position of a chunk
   copy_page                   copy-on-write of a partially filled page for n > 1 forks
   set_slot                    (re)initialise a row of the penalty state
-Why the sampling draw is its own program: fused into the step it made every step program
-compile 3x slower (demo model, T = 16: 2.51 s vs 0.84 s greedy, 0.3 s bare), once per token
-bucket; apart it compiles once per row bucket. The greedy draw stays fused: apart it cost a
-decode step 1.9 ms more ('small' model, 4 rows: 16.1 vs 14.2 ms per step).
+Why the draw is fused although it triples a step program's compile time (demo model, T = 16:
+0.3 s bare, 0.84 s greedy, 2.51 s sampling): as a program of its own after a bare step it cost
+a decode step 1.9 ms greedy ('small' model, 4 rows: 16.1 vs 14.2 ms) and 7.8 ms sampling (16
+rows, top-k 50 / top-p 0.9: 36.5 vs 28.7 ms).
 P has one bucket (the model's whole span) unless the attention backend's cost grows with the
 page table's width (the reference's gather: `page_buckets`), so on CPU the demo generator (token
-budget 64) compiles 7 + 7 step programs, 5 draws and 5 more (24) instead of the split design's 164.
+budget 64) compiles 2 x 7 step programs and 5 more (19) instead of the split design's 164.
 Device state (donated into every program, so it is updated in place):
   k, v   [L, num_pages * page_size, KVH, D]  the paged KV cache, page 0 reserved
   counts [slots + 1, V] int32 output-token counts; pm [slots + 1, V] prompt-token mask
@@ -178,7 +175,6 @@ class ModelRunner:
         self.p_max = math.ceil(rc.max_model_len / rc.page_size)
         be = attention.get(cfg.attention_backend)
         self.page_buckets = page_buckets(self.p_max, rc.page_bucket_ratio) if be.page_buckets else [self.p_max]
-        self.row_buckets = sorted({self.rows_for(t) for t in self.token_buckets})
         self.dummy_slot = rc.max_running
         self.programs = ProgramCache("decoder")
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests inject step failures here
@@ -245,14 +241,6 @@ class ModelRunner:
             out, state = draw(state, raw, slot_ids, sa, mode=mode)
             return rep((*out, h)), state
 
-        def step_only(params, state, inp, sample_idx):
-            (raw, h), state = step(params, state, inp, sample_idx)
-            return rep((raw, h)), state
-
-        def draw_only(state, raw, slot_ids, sa, *, mode):
-            out, state = draw(state, raw, slot_ids, sa, mode=mode)
-            return rep(out), state
-
         def prompt_logprobs(params, h, next_tokens):
             """Logprob (and top-N) of next_tokens[t] after position t, from the chunk's hidden states."""
             return rep(sampling.logprobs_of(llama.lm_head(params, cfg, h), next_tokens, top_n))
@@ -269,8 +257,7 @@ class ModelRunner:
 
         d = dict(donate_argnums=(1,))
         self.programs.register("step_greedy", jax.jit(functools.partial(step_then_draw, mode="greedy"), **d))
-        self.programs.register("step", jax.jit(step_only, **d))
-        self.programs.register("draw_sample", jax.jit(functools.partial(draw_only, mode="sample"), donate_argnums=(0,)))
+        self.programs.register("step_sample", jax.jit(functools.partial(step_then_draw, mode="sample"), **d))
         self.programs.register("prompt_logprobs", jax.jit(prompt_logprobs))
         self.programs.register("copy_page", jax.jit(copy_page, donate_argnums=(0,)))
         self.programs.register("set_slot", jax.jit(set_slot, donate_argnums=(0,)))
@@ -346,11 +333,8 @@ class ModelRunner:
     def step(self, rows: list[StepRow], greedy: bool) -> StepResult:
         """One ragged step over `rows` (decode rows and prefill chunks together)."""
         key, args, draw_args = self._step_args(rows, greedy)
-        if greedy:
-            (tok, lp, top_v, top_i, h), self.state = self._run("step_greedy", key, (*args, *draw_args))
-        else:
-            (raw, h), self.state = self._run("step", key, args)
-            (tok, lp, top_v, top_i), self.state = self._run("draw_sample", (raw.shape[0],), (self.state, raw, *draw_args))
+        prog = "step_greedy" if greedy else "step_sample"
+        (tok, lp, top_v, top_i, h), self.state = self._run(prog, key, (*args, *draw_args))
         n = sum(len(r.samples) for r in rows)
         starts = np.cumsum([0] + [len(r.tokens) for r in rows])[:-1].tolist()
         return StepResult(_fetch(tok)[:n], _fetch(lp)[:n], _fetch(top_v)[:n], _fetch(top_i)[:n], starts,
@@ -400,28 +384,23 @@ class ModelRunner:
             for Pb in self.page_buckets:
                 # a step needing this page bucket holds at most max_running rows of Pb * ps tokens
                 if lower < mr * Pb * ps or Pb == self.page_buckets[-1]:
-                    keys += [("step_greedy", (T, Pb)), ("step", (T, Pb))]
-        keys += [("draw_sample", (R,)) for R in self.row_buckets]
+                    keys += [("step_greedy", (T, Pb)), ("step_sample", (T, Pb))]
         keys += [("prompt_logprobs", (T,)) for T in self.lp_buckets]
         return keys + [("copy_page", ()), ("set_slot", ())]
 
     def _example(self, prog: str, key: tuple) -> tuple:
         """Arguments with the exact shapes the serving path builds for (prog, key)."""
-        if prog == "draw_sample":              # what step() hands the draw: the step's raw logits [R, V]
-            R = key[0]
-            raw = jax.device_put(np.zeros((R, self.cfg.vocab_size), np.float32), self._replicated)
-            rows = [SamplingRow(temperature=1.0)] * R
-            return (self.state, raw, *self._put(np.full(R, self.dummy_slot, np.int32)), self._sa(rows, R))
-        if prog in ("step", "step_greedy"):
+        if prog in ("step_greedy", "step_sample"):
             T, Pb = key
             span = Pb * self.rc.page_size
             k = min(self.rows_for(T), -(-T // span))         # rows of up to `span` tokens each
             sizes = [T // k + (1 if i < T % k else 0) for i in range(k)]
+            temp = 0.0 if prog == "step_greedy" else 1.0
             rows = [StepRow(tokens=[0] * n, start=max(0, span - n), pages=[0] * Pb,
-                            samples=[SampleRow(self.dummy_slot, SamplingRow())]) for n in sizes]
-            got_key, args, draw_args = self._step_args(rows, True)
+                            samples=[SampleRow(self.dummy_slot, SamplingRow(temperature=temp))]) for n in sizes]
+            got_key, args, draw_args = self._step_args(rows, prog == "step_greedy")
             assert got_key == key, (got_key, key)
-            return (*args, *draw_args) if prog == "step_greedy" else args
+            return (*args, *draw_args)
         if prog == "prompt_logprobs":
             return self._prompt_lp_args(np.zeros((0, self.cfg.hidden_size), self.dtype), [], key[0])
         if prog == "copy_page":
