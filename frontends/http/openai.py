@@ -417,8 +417,17 @@ def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+# Characters that str.splitlines() (and clients built on it, httpx's iter_lines among them) take
+# for line breaks although SSE does not; json.dumps(ensure_ascii=False) leaves them raw, so a
+# generated U+2028 split one event in two for such a client. Escaped, the JSON is the same value.
+_LINE_BREAKS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    for ch, esc in _LINE_BREAKS.items():
+        text = text.replace(ch, esc)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 # ----------------------------------------------------------------------------- routes

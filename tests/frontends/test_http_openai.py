@@ -404,3 +404,16 @@ def test_concurrent_streams_do_not_disturb_each_other(http_url):
     for t in threads:
         t.join(60)
     assert len(results) == 4 and len(set(results.values())) == 1
+
+
+def test_sse_events_survive_clients_that_split_on_unicode_line_breaks():
+    """Generated text may hold U+2028 / U+2029 / U+0085, which str.splitlines() (httpx's
+    iter_lines) treats as line breaks although SSE does not: they go out escaped, one event per
+    line for every client, and the JSON still decodes to the same text."""
+    from frontends.http.openai import _sse
+
+    text = "a\u2028b\u0085c\u2029d é\n"
+    frame = _sse({"choices": [{"delta": {"content": text}}]}).decode()
+    lines = frame.splitlines()
+    assert lines == [frame.rstrip("\n")]
+    assert json.loads(lines[0][len("data: "):])["choices"][0]["delta"]["content"] == text
