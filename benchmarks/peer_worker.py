@@ -49,10 +49,13 @@ class Peer:
     processes every `timed` CPU window counts as ours (this peer's by default; a script with
     several peers sets it to all of them, so an idle peer's stray CPU is not called 'others')."""
 
-    def __init__(self, module: str = "benchmarks.peer_worker") -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        self.module = module
-        self.proc = subprocess.Popen([sys.executable, "-m", module], cwd=C.REPO_ROOT, env=env,
+    def __init__(self, module: str = "benchmarks.peer_worker", argv: list[str] | None = None,
+                 env: dict[str, str] | None = None, name: str = "peer") -> None:
+        """argv / env: run that command line (with these extra environment variables) instead of
+        `python -m module`; name: how errors call this worker."""
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        self.module, self.name = module, name
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", module], cwd=C.REPO_ROOT, env=full_env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
         self.window_pids = [self.pid]
@@ -64,10 +67,10 @@ class Peer:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise PeerError(f"peer worker exited with {self.proc.wait()} during {cmd!r}")
+            raise PeerError(f"{self.name} worker exited with {self.proc.wait()} during {cmd!r}")
         msg = json.loads(line)
         if not msg.get("ok"):
-            raise PeerError(f"{cmd}: {msg.get('error')}")
+            raise PeerError(f"{self.name} {cmd}: {msg.get('error')}")
         return msg["result"]
 
     def timed(self, cmd: str, **args: Any) -> dict:

@@ -92,7 +92,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common as C
 from benchmarks import generate_vs_hf as G
-from benchmarks.peer_worker import PeerError, run_worker
+from benchmarks.peer_worker import Peer, PeerError, run_worker
 from benchmarks.serve_load import arrival_times, sent_rate
 
 NAME = "ragged_step"
@@ -364,35 +364,13 @@ def worker_main(tree: str) -> None:
 # =============================================================================================
 # the driver's side of a worker
 # =============================================================================================
-class TreeProcess:
-    """A worker process running the engine of one tree; `call` sends one command."""
+class TreeProcess(Peer):
+    """A worker process running the engine of one tree (peer_worker's JSON-lines protocol)."""
 
     def __init__(self, name: str, tree: str) -> None:
-        self.name, self.tree = name, tree
-        env = dict(os.environ, PYTHONUNBUFFERED="1", XLASERVE_PROGRESS="0")
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--worker", "--tree", tree], cwd=C.REPO_ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.pid = self.proc.pid
-        self.window_pids = [self.pid]
-        self.hello = self.call("hello")
-
-    def call(self, cmd: str, **args: Any) -> Any:
-        assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise PeerError(f"{self.name} worker exited with {self.proc.wait()} during {cmd!r}")
-        msg = json.loads(line)
-        if not msg.get("ok"):
-            raise PeerError(f"{self.name} {cmd}: {msg.get('error')}")
-        return msg["result"]
-
-    def timed(self, cmd: str, **args: Any) -> dict:
-        with C.cpu_window(self.window_pids) as w:
-            res = self.call(cmd, **args)
-        res["cpu"] = w.result
-        return res
+        self.tree = tree
+        super().__init__(argv=[sys.executable, SCRIPT, "--worker", "--tree", tree], env={"XLASERVE_PROGRESS": "0"},
+                         name=name)
 
     def close(self) -> int | None:
         if self.proc.poll() is None:
