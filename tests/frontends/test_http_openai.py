@@ -414,6 +414,6 @@ def test_sse_events_survive_clients_that_split_on_unicode_line_breaks():
 
     text = "a\u2028b\u0085c\u2029d é\n"
     frame = _sse({"choices": [{"delta": {"content": text}}]}).decode()
-    lines = frame.splitlines()
-    assert lines == [frame.rstrip("\n")]
+    lines = [ln for ln in frame.splitlines() if ln]        # the event, then SSE's blank separator
+    assert lines == [frame.split("\n")[0]] and frame.endswith("\n\n")
     assert json.loads(lines[0][len("data: "):])["choices"][0]["delta"]["content"] == text
