@@ -287,7 +287,7 @@ class ModelRunner:
         return T, pick(self.page_buckets, need)
 
     def _step_args(self, rows: list[StepRow], greedy: bool) -> tuple[tuple, tuple, tuple]:
-        """(step key, step args, draw args without the state and raw logits)."""
+        """(bucket key, the model arguments, the draw arguments: slot ids and sampling arrays)."""
         ps = self.rc.page_size
         T, Pb = self.step_shape(rows)
         R = self.rows_for(T)
