@@ -156,13 +156,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     rows = [make_row(i, ctx) for i in range(B)]
     res["runner_decode"] = bench(lambda: runner.step(rows, True), iters)
-    res["runner_host_args"] = bench(lambda: runner._step_args(rows, True), iters)
+    res["runner_host_args"] = bench(lambda: runner._step_args(rows), iters)
 
     # a greedy decode step is one program, step_greedy (args: params, state, StepInputs, sample_idx,
     # slot ids, sampling; key: token bucket, page bucket)
     prog = "step_greedy"
-    key, args, draw_args = runner._step_args(rows, True)
-    args = (*args, *draw_args)
+    key, args = runner._step_args(rows)
     exe = runner.programs.get(prog, key, args)
     R = runner.rows_for(key[0])         # the program's rows (B real, the rest padding)
 
@@ -184,8 +183,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # the same program at the smallest page bucket that still holds a short context
     small_pb = runner.page_buckets[0] if len(runner.page_buckets) == 1 else runner.page_buckets[-2]
     short = min(ctx, small_pb * ps)
-    key_s, args_s, draw_s = runner._step_args([make_row(i, short) for i in range(B)], True)
-    args_s = (*args_s, *draw_s)
+    key_s, args_s = runner._step_args([make_row(i, short) for i in range(B)])
     exe_s = runner.programs.get(prog, key_s, args_s)
 
     def run_small() -> None:

@@ -223,23 +223,16 @@ class ModelRunner:
         # Step outputs are replicated over the mesh so any process can read them locally (multihost.py).
         rep = (lambda t: jax.lax.with_sharding_constraint(t, self._replicated)) if self.mesh is not None else (lambda t: t)
 
-        def step(params, state, inp: StepInputs, sample_idx):
-            """The model over the step's tokens: KV written, raw logits of the sample rows, hidden states."""
+        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, *, mode):
+            """The model over the step's tokens (KV written), then per sample row: penalties, bias,
+            bans, the draw, logprobs and the penalty-count update; also the final hidden states."""
             h, k, v = llama.forward(params, cfg, state["k"], state["v"], inp, ps)
             raw = llama.lm_head(params, cfg, h[sample_idx])                  # [R, V] float32
-            return (raw, h), {**state, "k": k, "v": v}
-
-        def draw(state, raw, slot_ids, sa, *, mode):
-            """Penalties, bias, bans, the draw, logprobs, and the penalty-count update, per sample row."""
             logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
             tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
             chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
-            return (tok, chosen, top_v, top_i), {**state, "counts": state["counts"].at[slot_ids, tok].add(1)}
-
-        def step_then_draw(params, state, inp, sample_idx, slot_ids, sa, *, mode):
-            (raw, h), state = step(params, state, inp, sample_idx)
-            out, state = draw(state, raw, slot_ids, sa, mode=mode)
-            return rep((*out, h)), state
+            counts = state["counts"].at[slot_ids, tok].add(1)
+            return rep((tok, chosen, top_v, top_i, h)), {**state, "k": k, "v": v, "counts": counts}
 
         def prompt_logprobs(params, h, next_tokens):
             """Logprob (and top-N) of next_tokens[t] after position t, from the chunk's hidden states."""
@@ -256,8 +249,8 @@ class ModelRunner:
             return {**state, "pm": state["pm"].at[slot].set(pm_row), "counts": state["counts"].at[slot].set(c_row)}
 
         d = dict(donate_argnums=(1,))
-        self.programs.register("step_greedy", jax.jit(functools.partial(step_then_draw, mode="greedy"), **d))
-        self.programs.register("step_sample", jax.jit(functools.partial(step_then_draw, mode="sample"), **d))
+        self.programs.register("step_greedy", jax.jit(functools.partial(step, mode="greedy"), **d))
+        self.programs.register("step_sample", jax.jit(functools.partial(step, mode="sample"), **d))
         self.programs.register("prompt_logprobs", jax.jit(prompt_logprobs))
         self.programs.register("copy_page", jax.jit(copy_page, donate_argnums=(0,)))
         self.programs.register("set_slot", jax.jit(set_slot, donate_argnums=(0,)))
@@ -286,8 +279,8 @@ class ModelRunner:
         need = max((math.ceil((r.start + len(r.tokens)) / ps) for r in rows), default=1)
         return T, pick(self.page_buckets, need)
 
-    def _step_args(self, rows: list[StepRow], greedy: bool) -> tuple[tuple, tuple, tuple]:
-        """(bucket key, the model arguments, the draw arguments: slot ids and sampling arrays)."""
+    def _step_args(self, rows: list[StepRow]) -> tuple[tuple, tuple]:
+        """(bucket key, the step program's arguments) for these rows."""
         ps = self.rc.page_size
         T, Pb = self.step_shape(rows)
         R = self.rows_for(T)
@@ -327,14 +320,14 @@ class ModelRunner:
         inp = StepInputs(*self._put(tokens, positions, slots, row_of, kv_limit, table, kv_lens, cu,
                                     np.array([len(rows)], np.int32)))
         sample_idx, slot_ids = self._put(sample_idx, slot_ids)
-        return (T, Pb), (self.params, self.state, inp, sample_idx), (slot_ids, self._sa(samp, R))
+        return (T, Pb), (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, R))
 
     @mirrored
     def step(self, rows: list[StepRow], greedy: bool) -> StepResult:
         """One ragged step over `rows` (decode rows and prefill chunks together)."""
-        key, args, draw_args = self._step_args(rows, greedy)
+        key, args = self._step_args(rows)
         prog = "step_greedy" if greedy else "step_sample"
-        (tok, lp, top_v, top_i, h), self.state = self._run(prog, key, (*args, *draw_args))
+        (tok, lp, top_v, top_i, h), self.state = self._run(prog, key, args)
         n = sum(len(r.samples) for r in rows)
         starts = np.cumsum([0] + [len(r.tokens) for r in rows])[:-1].tolist()
         return StepResult(_fetch(tok)[:n], _fetch(lp)[:n], _fetch(top_v)[:n], _fetch(top_i)[:n], starts,
@@ -398,9 +391,9 @@ class ModelRunner:
             temp = 0.0 if prog == "step_greedy" else 1.0
             rows = [StepRow(tokens=[0] * n, start=max(0, span - n), pages=[0] * Pb,
                             samples=[SampleRow(self.dummy_slot, SamplingRow(temperature=temp))]) for n in sizes]
-            got_key, args, draw_args = self._step_args(rows, prog == "step_greedy")
+            got_key, args = self._step_args(rows)
             assert got_key == key, (got_key, key)
-            return (*args, *draw_args)
+            return args
         if prog == "prompt_logprobs":
             return self._prompt_lp_args(np.zeros((0, self.cfg.hidden_size), self.dtype), [], key[0])
         if prog == "copy_page":
