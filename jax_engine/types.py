@@ -14,6 +14,29 @@ import numpy as np
 TOKENIZE_INLINE_CHARS = 16384
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
+
+
+@dataclass
+class Constraint:
+    """What a request's output must match (structured generation; jax_engine/constrain compiles it).
+
+    kind:
+      json_schema     spec = a JSON Schema (JSON text); always enforced (OpenAI `strict` or not)
+      json_object     any JSON object (OpenAI response_format json_object); spec unused
+      regex           spec = a regular expression the whole output matches
+      ebnf            spec = a GBNF / EBNF grammar (`root ::= ...`, SGLang's ebnf_grammar)
+      lark            spec = a Lark grammar (llguidance dialect, `start: ...`)
+      choice          choices = the output is exactly one of these strings
+      structural_tag  spec = SGLang's structural tag JSON: {"structures": [{"begin", "schema", "end"}],
+                      "triggers": [...]}: free text, with a schema enforced between begin and end
+    """
+
+    kind: str
+    spec: str = ""
+    choices: list[str] = field(default_factory=list)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0          # 0 = greedy
@@ -37,6 +60,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # for the text the engine detokenizes
     spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode (fast ones ignore it)
     include_stop_str_in_output: bool = False
+    constraint: Optional[Constraint] = None   # structured generation; None = free text
 
 
 @dataclass
@@ -152,6 +176,7 @@ class ModelStats:
     compilations_after_warmup: int = 0
     max_running_requests: int = 0
     max_num_batched_tokens: int = 0      # the ragged step's token budget (per replica)
+    grammar_queue: int = 0               # requests waiting for their grammar to compile
     preemptions: int = 0
     matmul_routes: list[MatmulRoute] = field(default_factory=list)
     replicas: list["ModelStats"] = field(default_factory=list)
