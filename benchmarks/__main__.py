@@ -30,6 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common as C
+from benchmarks.constrained_decode import render as sec_constrained_decode
 
 # job -> (module, extra args (quick), extra args (full), results file name (quick), (full))
 JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
@@ -37,6 +38,8 @@ JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "generate_vs_hf": ("generate_vs_hf", [], [], "generate_vs_hf", "generate_vs_hf"),
     "serve_load": ("serve_load", [], [], "serve_load", "serve_load"),
     "ragged_step": ("ragged_step", [], [], "ragged_step", "ragged_step"),
+    "grammar_mask": ("grammar_mask", [], [], "grammar_mask", "grammar_mask"),
+    "constrained_decode": ("constrained_decode", [], [], "constrained_decode", "constrained_decode"),
     "profile_decode": ("profile_decode", [], [], "profile_decode", "profile_decode"),
     "profile_decode_batch": ("profile_decode", ["--batch", "4"], ["--batch", "16"],
                              "profile_decode_b4", "profile_decode_b16"),
@@ -569,6 +572,122 @@ def sec_ragged_step(d: dict, quick: bool) -> list[str]:
     return lines + ["", *_plots(d), ""]
 
 
+GRAMMAR_TOKENIZERS = {"demo": "demo generator", "v152k": "v152k, Qwen2-sized"}
+GRAMMAR_LIBRARIES = ("llguidance", "xgrammar")
+_WAYS = {"batch": "batch API", "serial": "one call per row"}
+
+
+def _than(q: float | None) -> str:
+    """' (llguidance slower)' / ' (llguidance faster)' for an llguidance / xgrammar time ratio."""
+    return "" if q is None or q == 1 else f" (llguidance {'slower' if q > 1 else 'faster'})"
+
+
+def _pq(s: dict, mode: str) -> str:
+    """'p50 / p99' of one way's mask time per step."""
+    return f"{_f(s.get(f'{mode}_mask_p50_us'))} / {_f(s.get(f'{mode}_mask_p99_us'))}"
+
+
+def _grammar_choice(d: dict) -> str:
+    """The sentence naming the server's grammar library and why: this run's figures at the largest
+    vocabulary measured, the install weight, and the mask against a decode step where one is recorded."""
+    st = d.get("setup") or {}
+    lib = st.get("server_library") or "llguidance"
+    toks = st.get("tokenizers") or {}
+    parts = [f"**The server uses {lib}**" + (f": {st['server_reason']}." if st.get("server_reason") else ".")]
+    keys = [k for k in (d.get("ratios") or {}) if k in (d.get("results") or {})]
+    if keys:
+        key = max(keys, key=lambda k: (toks.get(k) or {}).get("vocab_size") or 0)
+        res, r = d["results"][key], d["ratios"][key]
+        a, b = (res.get(x, {}).get("summary") or {} for x in GRAMMAR_LIBRARIES)
+        vocab = (toks.get(key) or {}).get("vocab_size")
+        best = r.get("best_mask_p50_us")
+        best = C.ratio(a.get("best_mask_p50_us"), b.get("best_mask_p50_us")) if best is None else best
+        parts.append(f"Measured here at {_f(vocab, '{:,}')} tokens, mask per step of {st.get('batch', 16)} rows, "
+                     f"each library's faster way: llguidance {_f(a.get('best_mask_p50_us'))} µs "
+                     f"({_WAYS.get(a.get('best_way'), '?')}) vs xgrammar {_f(b.get('best_mask_p50_us'))} µs "
+                     f"({_WAYS.get(b.get('best_way'), '?')}): {_x(best)}{_than(best)}; batch APIs alone "
+                     f"{_x(r.get('batch_mask_p50_us'))}{_than(r.get('batch_mask_p50_us'))}. Cold compile "
+                     f"{_x(r.get('compile_ms'))}: {_f(a.get('compile_ms'), '{:.1f}')} vs {_f(b.get('compile_ms'), '{:.1f}')} ms.")
+        ds = d.get("decode_step") or {}
+        if ds.get("ms_per_step") and (toks.get(key) or {}).get("vocab_size") == 151936:
+            share = [C.ratio(s.get("best_mask_p50_us"), ds["ms_per_step"] * 1e3 / 100) for s in (a, b)]
+            parts.append(f"A sampled decode step of the '{ds.get('model')}' model at batch {ds.get('batch')} "
+                         f"({ds.get('engine_dtype', 'float32')}) takes {_f(ds['ms_per_step'])} ms on this host "
+                         f"(`{ds.get('source')}`, {str(ds.get('finished'))[:10]}): the mask is "
+                         f"{_f(share[0], '{:.1f}')} % of it with llguidance, {_f(share[1], '{:.1f}')} % with xgrammar.")
+    inst = d.get("install") or {}
+    lg, xg = inst.get("llguidance") or {}, inst.get("xgrammar") or {}
+    if lg.get("installed") or xg.get("installed"):
+        extra = ", ".join(f"{n} {m:.0f}" for n, m in list((xg.get("beyond_base") or {}).items())[:4])
+        deps = "no Python dependencies" if lg.get("requires") == [] else "requires " + ", ".join(lg.get("requires") or ["?"])
+        parts.append(f"Install weight (as installed here): llguidance {_f(lg.get('own_mib'))} MiB, {deps}; "
+                     + (f"xgrammar {_f(xg.get('own_mib'))} MiB but {_f(xg.get('beyond_base_mib'), '{:.0f}')} MiB beyond the "
+                        f"base install with what it requires ({extra} MiB)." if xg.get("installed") else
+                        "xgrammar not installed in this run."))
+    return " ".join(parts)
+
+
+def sec_grammar_mask(d: dict, quick: bool) -> list[str]:
+    """grammar_mask: token-mask time per step at batch 16 for a nested JSON schema, llguidance vs
+    xgrammar, each in its own worker process, on our tokenizers; the server's choice and why."""
+    st = d.get("setup") or {}
+    name = result_name("grammar_mask", quick)
+    toks = st.get("tokenizers") or {}
+    B = st.get("batch", 16)
+    ws = {"compact": "compact, as the server asks for it (llguidance `whitespace_flexible: false`; xgrammar "
+                     "`any_whitespace=False`, separators `,` `:`)",
+          "flexible": "each library's default (free whitespace; documents compact, spaced and indented)"}.get(
+        st.get("whitespace"), st.get("whitespace") or "?")
+    lines = [f"### Grammar engine: token mask per step at batch {B}, llguidance vs xgrammar ({_cpu(d)})", "",
+             _src(name, quick, d), "",
+             (f"One nested JSON schema (depth 3: objects in objects, an array of objects holding an array, an enum, "
+              f"bounded integers, patterned strings, required fields), {B} different valid documents for it tokenized "
+              f"with each HF tokenizer and ending in EOS, every token first checked against the library's own mask. "
+              f"JSON whitespace: {ws}. "
+              f"A step computes the {B}-row bitmask (the figure below, for the whole batch), then consumes each row's "
+              f"next token; a finished document starts a new request for the schema. {st.get('steps', '?')} steps per "
+              f"pass, {st.get('threads', '?')} threads for both batch APIs (llguidance `fill_next_token_bitmask_par` "
+              f"with an `LLExecutor`, xgrammar `BatchGrammarMatcher`); 'one call per row' is each library's serial "
+              f"fill. Each library in its own worker process; rounds alternate, medians (clean rounds when any)."),
+             "", ("| tokenizer (vocab) | library | mask µs/step, batch API (p50 / p99) | mask µs/step, one call per row "
+                  "(p50 / p99) | consume µs/step (batch) | compile ms (cold) | schema to first mask, ms | "
+                  "new request µs (seen schema) | tokenizer info ms | compiled grammar | allowed tokens per row | "
+                  "clean rounds |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, by_lib in (d.get("results") or {}).items():
+        t = toks.get(key) or {}
+        label = f"{GRAMMAR_TOKENIZERS.get(key, key)} ({_f(t.get('vocab_size'), '{:,}')})"
+        libs = [x for x in GRAMMAR_LIBRARIES if x in by_lib] + [x for x in by_lib if x not in GRAMMAR_LIBRARIES]
+        for lib in libs:
+            r = by_lib[lib] or {}
+            shown = f"**{lib}** (server)" if lib == st.get("server_library") else lib
+            if "skipped" in r:
+                lines.append(f"| {label} | {shown} | not measured: {r['skipped']} |" + " |" * 9)
+                continue
+            s, load = r.get("summary") or {}, r.get("load") or {}
+            mem, info_ms = load.get("memory_bytes"), (r.get("setup") or {}).get("tokenizer_info_ms")
+            bad = load.get("rejected") or 0
+            check = f" ❌ {bad} document token(s) rejected" if bad else ""
+            lines.append(f"| {label} | {shown} | {_pq(s, 'batch')} | {_pq(s, 'serial')} | {_f(s.get('batch_consume_p50_us'))} | "
+                         f"{_f(s.get('compile_ms'), '{:.2f}')} | {_f(s.get('first_mask_ms'), '{:.2f}')} | "
+                         f"{_f(s.get('batch_new_request_p50_us'))} | {_f(info_ms, '{:.0f}')} | "
+                         f"{_f(mem / 2 ** 10 if mem else None, '{:.0f} KiB')} | {_f(s.get('batch_allowed_mean'))}{check} | "
+                         f"{s.get('clean_rounds', '–')} of {s.get('rounds', '–')} |")
+    ratios = d.get("ratios") or {}
+    if ratios:
+        lines += ["", "llguidance / xgrammar (< 1: llguidance takes less): " + "; ".join(
+            f"{GRAMMAR_TOKENIZERS.get(k, k)}: mask p50, each library's faster way {_x(r.get('best_mask_p50_us'))}; "
+            f"batch API p50 {_x(r.get('batch_mask_p50_us'))}, p99 "
+            f"{_x(r.get('batch_mask_p99_us'))}, one call per row p50 {_x(r.get('serial_mask_p50_us'))}, cold compile "
+            f"{_x(r.get('compile_ms'))}" for k, r in ratios.items()) + "."]
+    same = [s.get("ways_masks_identical") for by_lib in (d.get("results") or {}).values() for s in
+            ((r or {}).get("summary") or {} for r in by_lib.values()) if s.get("ways_masks_identical") is not None]
+    if same:
+        lines += ["", f"Batch API and one call per row gave bit-identical masks in every round: {_ok(all(same))}."]
+    lines += ["", _grammar_choice(d)]
+    return lines + [""]
+
+
 def sec_profile(p: dict, pb: dict | None, quick: bool) -> list[str]:
     cols = [p] + ([pb] if pb else [])
     names = ["profile_decode"] + ([result_name("profile_decode_batch", quick)] if pb else [])
@@ -595,7 +714,8 @@ def section(quick: bool) -> str:
              "any); every ratio names the peer's dtype. Ratios > 1 mean xlaserve is better."), ""]
     docs = {job: _load(result_name(job, quick), quick) for job in JOBS}
     for job, render in (("start_time", sec_start_time), ("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate),
-                        ("serve_load", sec_serve), ("ragged_step", sec_ragged_step), ("parity", sec_parity),
+                        ("serve_load", sec_serve), ("ragged_step", sec_ragged_step), ("grammar_mask", sec_grammar_mask),
+                        ("constrained_decode", sec_constrained_decode), ("parity", sec_parity),
                         ("tests", sec_tests)):
         if docs[job]:
             lines += render(docs[job], quick)

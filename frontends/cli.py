@@ -174,6 +174,12 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     opt(lim, "--max-top-logprobs", type=int, default=d["max_top_logprobs"], help="top-N logprobs cap")
     opt(lim, "--max-stop-strings", type=int, default=d["max_stop_strings"], help="stop strings per request")
     opt(lim, "--max-stop-string-len", type=_positive, default=d["max_stop_string_len"], help="characters per stop string")
+    opt(lim, "--max-grammar-bytes", type=_positive, default=d["max_grammar_bytes"],
+        help="bytes of one request's constraint (JSON schema, regex, grammar, choices)")
+    opt(lim, "--grammar-compile-timeout", type=_positive_float, default=d["grammar_compile_timeout_s"],
+        help="seconds a constraint's grammar may take to compile before the request is refused (400)")
+    opt(lim, "--grammar-cache-size", type=_positive, default=d["grammar_cache_size"],
+        help="compiled grammars kept per model (least recently used are dropped)")
     opt(lim, "--max-embed-inputs", type=_positive, default=d["max_embed_inputs"],
         help="inputs per embeddings / Encode request (also prompts per completions request)")
     opt(lim, "--embed-max-batch-tokens", type=_positive, default=d["embed_max_batch_tokens"],
@@ -299,6 +305,8 @@ def engine_args(ns: argparse.Namespace):
         max_prompt_tokens=ns.max_prompt_tokens,
         max_new_tokens_limit=ns.max_new_tokens_limit, max_n=ns.max_n, max_top_logprobs=ns.max_top_logprobs,
         max_stop_strings=ns.max_stop_strings, max_stop_string_len=ns.max_stop_string_len,
+        max_grammar_bytes=ns.max_grammar_bytes, grammar_compile_timeout_s=ns.grammar_compile_timeout,
+        grammar_cache_size=ns.grammar_cache_size,
         max_embed_inputs=ns.max_embed_inputs, embed_max_batch_tokens=ns.embed_max_batch_tokens,
         model_root=ns.model_root,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, AsyncGenerator, Optional, Protocol, runtime_checkable
 
 from jax_engine.config import EngineArgs, ModelSpec
+from jax_engine.constrain.tools import tool_constraint
 from jax_engine.types import (
     TOKENIZE_INLINE_CHARS,
     EmbedOutput,
@@ -25,7 +26,7 @@ from jax_engine.types import (
 
 __all__ = [
     "EngineAPI", "RequestCounters", "Tokenizer", "REQUEST_OUTCOMES",
-    "EngineArgs", "ModelSpec", "TOKENIZE_INLINE_CHARS", "device_memory",
+    "EngineArgs", "ModelSpec", "TOKENIZE_INLINE_CHARS", "device_memory", "tool_constraint",
 ]
 
 # Keys of `EngineAPI.counters.snapshot()`: accepted, then exactly one terminal outcome each.

@@ -60,6 +60,9 @@ class EngineArgs:
     max_top_logprobs: int = 5                 # static maximum of the top-N program
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
+    max_grammar_bytes: int = 65536           # size of one request's constraint (schema, regex, grammar)
+    grammar_compile_timeout_s: float = 10.0   # a grammar compiling longer is refused (400)
+    grammar_cache_size: int = 256             # compiled grammars kept per model (LRU)
     max_embed_inputs: int = 256               # prompts per Encode / embeddings request
     embed_max_batch_tokens: int = 8192        # TEI-style token budget per encoder batch
     model_root: Optional[str] = None          # network-supplied paths must lie under this

@@ -25,6 +25,7 @@ from jax_engine.errors import (
 )
 from jax_engine.types import (
     TOKENIZE_INLINE_CHARS,
+    Constraint,
     EmbedOutput,
     EmbedRequest,
     GenerateOutput,
@@ -34,6 +35,7 @@ from jax_engine.types import (
 )
 
 if TYPE_CHECKING:  # annotations only: the workers load heavy modules (jax, transformers)
+    from jax_engine.constrain.compiler import CompiledGrammar
     from jax_engine.decode.runner import ModelRunner
     from jax_engine.decode.worker import GenerateWorker
     from jax_engine.encode.worker import EmbedWorker
@@ -231,9 +233,12 @@ class Engine:
         def sink(out: GenerateOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
+        grammar = None
+        if req.params.constraint is not None:
+            grammar = await self._compiled(worker, req.params.constraint)
         if req.prompt is not None and len(req.prompt) > TOKENIZE_INLINE_CHARS:
             # a long text takes a while to tokenize: keep the event loop serving meanwhile
-            submitting = loop.run_in_executor(None, worker.submit_generate, req, sink)
+            submitting = loop.run_in_executor(None, worker.submit_generate, req, sink, grammar)
             try:
                 handle = await asyncio.shield(submitting)  # raises InvalidRequest / Overloaded
             except asyncio.CancelledError:  # the consumer left: abort once it is submitted
@@ -241,7 +246,7 @@ class Engine:
                     lambda f: f.cancelled() or f.exception() is not None or worker.abort(f.result()))
                 raise
         else:
-            handle = worker.submit_generate(req, sink)  # raises InvalidRequest / Overloaded
+            handle = worker.submit_generate(req, sink, grammar)  # raises InvalidRequest / Overloaded
         self.counters.add("accepted")
         token = next(self._inflight_ids)
         self._inflight[token] = lambda message: queue.put_nowait(Unavailable(message))
@@ -269,6 +274,17 @@ class Engine:
             if len(reasons) < req.params.n:
                 worker.abort(handle)           # the consumer left early
             self.counters.add(_outcome(reasons, req.params.n))
+
+    async def _compiled(self, worker: "GenerateWorker", c: Constraint) -> "CompiledGrammar":
+        """Wait (in the model's grammar queue) for the constraint's grammar; InvalidRequest when it
+        cannot be compiled or takes longer than --grammar-compile-timeout."""
+        fut = worker.compile_constraint(c)
+        limit = self.args.grammar_compile_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout=limit)
+        except asyncio.TimeoutError:
+            raise InvalidRequest(f"constraint.{c.kind}: the grammar did not compile within {limit:g} s "
+                                 "(--grammar-compile-timeout)") from None
 
     async def embed(self, req: EmbedRequest) -> EmbedOutput:
         self._admit()

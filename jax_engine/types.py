@@ -35,6 +35,15 @@ class Constraint:
     kind: str
     spec: str = ""
     choices: list[str] = field(default_factory=list)
+    any_whitespace: bool = False   # JSON kinds: any whitespace between tokens (default: compact JSON)
+
+
+@dataclass
+class FunctionTool:
+    """An OpenAI function tool: its name and the JSON schema of its arguments."""
+
+    name: str
+    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
 @dataclass

@@ -230,6 +230,7 @@ class _EngineCollector:
             "waiting_requests": ("Requests queued for admission", "waiting_requests"),
             "kv_pages_used": ("KV-cache pages in use", "pages_used"),
             "kv_pages_total": ("KV-cache pages in the pool", "pages_total"),
+            "grammar_queue": ("Requests waiting for their grammar (structured output) to compile", "grammar_queue"),
         }
         counters = {
             "prompt_tokens": ("Prompt tokens processed", "total_prompt_tokens"),

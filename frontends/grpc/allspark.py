@@ -27,7 +27,7 @@ from frontends.grpc.gen.allspark import allspark_service_pb2 as pb
 from frontends.grpc.gen.allspark import allspark_service_pb2_grpc as pb_grpc
 from jax_engine.api import EngineAPI, ModelSpec, device_memory
 from jax_engine.errors import EngineError, InvalidRequest, NotFound
-from jax_engine.types import GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
+from jax_engine.types import Constraint, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
 
 SERVICE = ALLSPARK_SERVICE
 log = logging.getLogger("xlaserve.allspark")
@@ -208,15 +208,27 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
             return _refusal(context, uid, as_status(e), e.message)
         self.requests[uid] = st  # reserve the uuid before yielding to the loop
         refused: list[BaseException] = []
-        st.task = asyncio.create_task(self._consume(st, self.engine.generate(req), refused))
-        # One loop turn lets the task run the engine's synchronous admission (validate + queue);
-        # a refusal there is this call's answer, anything later makes the request Interrupted.
-        await asyncio.sleep(0)
+        settled = asyncio.Event()
+        st.task = asyncio.create_task(self._consume(st, self.engine.generate(req), refused, settled))
+        if req.params.constraint is None:
+            # One loop turn lets the task run the engine's synchronous admission (validate + queue);
+            # a refusal there is this call's answer, anything later makes the request Interrupted.
+            await asyncio.sleep(0)
+        else:
+            # The engine compiles a grammar off the event loop before admitting the request, so a
+            # grammar it cannot compile is refused loop turns later: wait for that verdict (the
+            # first event, or the refusal), as upstream builds its JSON parser inside StartRequest.
+            try:
+                await settled.wait()
+            except asyncio.CancelledError:  # the caller left: it never learns the uuid, so drop it
+                self.requests.pop(uid, None)
+                st.task.cancel()
+                raise
         if refused:
             self.requests.pop(uid, None)
             err = refused[0]
             message = err.message if isinstance(err, EngineError) else f"internal error: {type(err).__name__}"
-            return _refusal(context, uid, as_status(err), message)
+            return _refusal(context, uid, as_status(err), _constraint_message(message, req))
         return pb.StartRequestResponse(as_status=SUCCESS, uuid=uid)
 
     async def StopRequest(self, request: pb.StopRequestRequest, context: Any) -> pb.StartRequestResponse:
@@ -296,12 +308,16 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
             raise _Refused(DENIED, f"model {info.name!r} is not running (state {info.state})")
         return info
 
-    async def _consume(self, st: _Request, outputs: AsyncGenerator[GenerateOutput, None], refused: list[BaseException]) -> None:
-        """Move engine events into the request's queue until it ends."""
+    async def _consume(self, st: _Request, outputs: AsyncGenerator[GenerateOutput, None], refused: list[BaseException],
+                       settled: asyncio.Event) -> None:
+        """Move engine events into the request's queue until it ends. `settled` is set once the
+        engine has admitted the request (its first event) or refused it (`refused` holds why)."""
         started = False
         try:
             async for out in outputs:
-                started = True
+                if not started:
+                    started = True
+                    settled.set()
                 new = list(out.new_token_ids)
                 cut = _stop_word_end(st.ids, new, st.stop_words)
                 if cut is not None:
@@ -313,6 +329,7 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
             if not started:
                 refused.append(e)
         finally:
+            settled.set()
             await outputs.aclose()
             if not st.done:
                 await st.update([], pb.GenerateFinished if st.stop_requested else pb.GenerateInterrupted)
@@ -402,15 +419,18 @@ def sampling_from_config(c: pb.GenerateConfig, prompt_len: int,
     """GenerateConfig -> engine params. max_length / min_length are totals (prompt included).
 
     Honoured: do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty,
-    min_length, max_length, early_stopping + eos_token_id, stop_words_ids, seed (all 64 bits).
+    min_length, max_length, early_stopping + eos_token_id, stop_words_ids, seed (all 64 bits),
+    response_format (JSON mode, see `constraint_from_response_format`).
     Refused when set (PARAM_ERROR, the reason in the `allspark-error` trailer): the fields in
     `_unsupported`. Accepted without effect, as upstream: length_penalty (beam search only, and
     num_beams > 1 is refused), input_len (deprecated, filled internally), async /
-    async_token_num / first_token_num / loop_context (scheduling hints), vocab / vocab_type
-    (only read with response_format, which is refused), uuid (the request key)."""
+    async_token_num / first_token_num / loop_context (scheduling hints), uuid (the request key),
+    vocab / vocab_type (upstream builds its JSON parser from them when the model folder has no
+    tokenizer; here the grammar is always built from the served model's own tokenizer)."""
     for name, is_set in _unsupported(c):
         if is_set:
             raise _Refused(PARAM_ERROR, f"config.{name} is not supported by this server")
+    constraint = constraint_from_response_format(dict(c.response_format))
     for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "length_penalty"):
         value = getattr(c, name)
         if not math.isfinite(value):  # NaN would otherwise read as "unset" below
@@ -447,8 +467,49 @@ def sampling_from_config(c: pb.GenerateConfig, prompt_len: int,
         stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
         seed=c.seed & 0xFFFFFFFFFFFFFFFF,
+        constraint=constraint,
     )
     return params, multi
+
+
+RESPONSE_FORMAT_KEYS = ("type", "json_schema")
+
+
+def constraint_from_response_format(rf: dict[str, str]) -> Optional[Constraint]:
+    """DashInfer's JSON mode: `{"type": "json_object"}` is any JSON object (kind json_object);
+    with a non-empty `"json_schema": "<schema JSON text>"` the output matches that schema (kind
+    json_schema); `{"type": "text"}` is free text. Upstream reads only these two keys and silently
+    ignores any other type (or a map without one); here those are refused by name instead. An empty json_schema is the same as
+    none, as upstream. Empty map: free text."""
+    if not rf:
+        return None
+    unknown = sorted(k for k in rf if k not in RESPONSE_FORMAT_KEYS)
+    if unknown:
+        raise _Refused(PARAM_ERROR, f"config.response_format has unknown key {unknown[0]!r} "
+                                    f"(known: {', '.join(RESPONSE_FORMAT_KEYS)})")
+    kind = rf.get("type")
+    if kind is None:
+        raise _Refused(PARAM_ERROR, "config.response_format.type is required (\"json_object\")")
+    if kind == "text" and not rf.get("json_schema", "").strip():
+        return None                     # OpenAI's name for free text
+    if kind != "json_object":
+        raise _Refused(PARAM_ERROR, f"config.response_format.type {kind!r} is not supported "
+                                    "(\"json_object\", or \"text\" without a schema)")
+    schema = rf.get("json_schema", "")
+    if schema.strip():
+        return Constraint(kind="json_schema", spec=schema)
+    return Constraint(kind="json_object")
+
+
+def _constraint_message(message: str, req: GenerateRequest) -> str:
+    """An engine refusal of the constraint ("constraint.<kind>: why") named by this protocol's
+    field: config.response_format.json_schema for a schema, config.response_format for JSON mode."""
+    field, sep, rest = message.partition(":")
+    c = req.params.constraint
+    if c is None or not sep or field.split(".")[0] != "constraint":
+        return message
+    name = "config.response_format.json_schema" if c.kind == "json_schema" else "config.response_format"
+    return f"{name}:{rest}"
 
 
 def _unsupported(c: pb.GenerateConfig) -> tuple[tuple[str, bool], ...]:
@@ -458,7 +519,6 @@ def _unsupported(c: pb.GenerateConfig) -> tuple[tuple[str, bool], ...]:
         ("num_return_sequences", c.num_return_sequences > 1),
         ("no_repeat_ngram_size", c.no_repeat_ngram_size > 0),
         ("bad_words_ids", any(len(a.word) for a in c.bad_words_ids.ids)),
-        ("response_format", len(c.response_format) > 0),
         ("lora_name", bool(c.lora_name)),
         ("suppress_repetition_in_generation", c.suppress_repetition_in_generation),
         # per-row arrays of a batched call: one request here has one top_k / top_p / seed

@@ -23,10 +23,21 @@ from frontends.grpc.gen.sglang import sglang_scheduler_pb2 as pb
 from frontends.grpc.gen.sglang import sglang_scheduler_pb2_grpc as pb_grpc
 from jax_engine.api import EngineAPI
 from jax_engine.errors import EngineError, InvalidRequest, NotFound
-from jax_engine.types import EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams, TokenLogprob
+from jax_engine.types import (
+    Constraint,
+    EmbedRequest,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+    SamplingParams,
+    TokenLogprob,
+)
 
 SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+# SamplingParams `constraint` oneof member -> the engine's Constraint kind (spec = the text as sent)
+CONSTRAINT_KINDS = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar": "ebnf",
+                    "structural_tag": "structural_tag"}
 _BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
@@ -57,7 +68,7 @@ class SglangServicer(pb_grpc.SglangSchedulerServicer):
             for msg in stream.at_end():
                 yield msg
         except EngineError as e:  # refused at admission (before any event)
-            await abort_with(context, e)
+            await abort_with(context, _constraint_error(e, req))
         finally:
             self.active_requests -= 1
             await outputs.aclose()  # aborts the request if the call was cancelled mid-stream
@@ -268,12 +279,12 @@ def build_generate_request(request: pb.GenerateRequest, info: ModelInfo) -> tupl
 def sampling_from_proto(p: Optional[pb.SamplingParams]) -> tuple[SamplingParams, int]:
     """Absent message = semantic defaults (as the spec recommends: temperature 1, i.e. sampled,
     top_p 1, top_k off, n 1, skip_special_tokens true); explicit zero values read as SGLang reads
-    them. There is no seed field: every request draws from a fresh random seed."""
+    them. There is no seed field: every request draws from a fresh random seed. The `constraint`
+    oneof becomes the engine's Constraint; the engine compiles it and refuses (INVALID_ARGUMENT)
+    a grammar it cannot compile."""
     if p is None:
         return SamplingParams(), 1
-    constraint = p.WhichOneof("constraint")
-    if constraint:
-        raise InvalidRequest(f"sampling_params.{constraint} (structured generation) is not supported")
+    constraint = _constraint(p)
     if p.HasField("custom_params") and p.custom_params.fields:
         raise InvalidRequest("sampling_params.custom_params is not supported")
     if p.top_p > 1.0:
@@ -309,8 +320,28 @@ def sampling_from_proto(p: Optional[pb.SamplingParams]) -> tuple[SamplingParams,
         skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens,  # to decode, as SGLang does
         include_stop_str_in_output=p.no_stop_trim,
+        constraint=constraint,
     )
     return sp, max(1, interval)
+
+
+def _constraint(p: pb.SamplingParams) -> Optional[Constraint]:
+    """The oneof member set, as a Constraint (the engine checks and compiles the text)."""
+    which = p.WhichOneof("constraint")
+    if which is None:
+        return None
+    return Constraint(kind=CONSTRAINT_KINDS[which], spec=getattr(p, which))
+
+
+def _constraint_error(err: EngineError, req: GenerateRequest) -> EngineError:
+    """An engine refusal of the constraint ("constraint.<kind>: why") named by this protocol's
+    field, sampling_params.<oneof member>; any other error as it is."""
+    c = req.params.constraint
+    field, sep, rest = err.message.partition(":")
+    if c is None or not isinstance(err, InvalidRequest) or not sep or field.split(".")[0] != "constraint":
+        return err
+    member = next(k for k, kind in CONSTRAINT_KINDS.items() if kind == c.kind)
+    return InvalidRequest(f"sampling_params.{member}:{rest}")
 
 
 def _refuse_unsupported(request: pb.GenerateRequest) -> None:
@@ -478,7 +509,7 @@ def _scheduler_load(rank: int, s: Any, info: ModelInfo, sections: set[str]) -> p
     if "disagg" in sections:
         load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
     if "queues" in sections:
-        load.queues.CopyFrom(pb.QueueMetrics(waiting=s.waiting_requests))
+        load.queues.CopyFrom(pb.QueueMetrics(waiting=s.waiting_requests, grammar=s.grammar_queue))
     # "spec" and "lora": no speculative decoding or LoRA here, so those sections stay unset.
     return load
 

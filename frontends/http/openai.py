@@ -2,8 +2,12 @@
 
 The request models (openai_schema.py) are strict: a field we do not implement is refused with a
 400 that names it. Fields OpenAI defines that we only accept at their neutral value (`echo`,
-`suffix`, `best_of`, `tools`, `response_format`, ...) are declared so the client may send the
+`suffix`, `best_of`, `tools`, ...) are declared so the client may send the
 neutral value, and anything else is refused by `_refuse_unsupported`.
+
+Structured generation: OpenAI `response_format` and vLLM's `structured_outputs` (both routes)
+become one `Constraint` on the engine request (`_output_constraint`); the engine compiles it and
+refuses a grammar it cannot compile, which is a 400 naming the field it came from.
 
 Every route reads the engine from `request.app.state.engine` (several apps may live in one
 process). Engine errors propagate to the app's exception handlers, which format them with
@@ -33,7 +37,9 @@ from frontends.http.openai_schema import (
     ChatMessage,
     CompletionRequest,
     EmbeddingRequest,
+    ResponseFormat,
     SamplingFields,
+    StructuredOutputs,
     field_error,
     openai_error_body,
 )
@@ -49,7 +55,7 @@ from jax_engine.errors import (
     Unauthenticated,
     Unavailable,
 )
-from jax_engine.types import EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
+from jax_engine.types import Constraint, EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -103,8 +109,6 @@ def _refuse_unsupported(body: BaseModel) -> None:
     if isinstance(body, CompletionRequest):
         _check_best_of(body)
     if isinstance(body, ChatCompletionRequest):
-        if body.response_format not in (None, {"type": "text"}):
-            raise field_error("response_format", "only response_format {\"type\": \"text\"} is supported")
         if body.tool_choice not in (None, "none", "auto"):
             raise field_error("tool_choice", "tool calling is not supported")
         if body.parallel_tool_calls is not None:
@@ -180,7 +184,88 @@ def _sampling_params(engine: EngineAPI, body: SamplingFields, *, max_tokens: Opt
         top_logprobs=top_logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        constraint=_output_constraint(body),
     )
+
+
+# vLLM structured_outputs keys that set a constraint -> the engine's Constraint kind
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf",
+                     "json_object": "json_object", "structural_tag": "structural_tag"}
+
+
+def _structured_keys(so: StructuredOutputs) -> list[str]:
+    """The constraint keys a structured_outputs object sets (`json` is the `json_` attribute)."""
+    return [k for k in _STRUCTURED_KINDS if getattr(so, "json_" if k == "json" else k) is not None]
+
+
+def _output_constraint(body: SamplingFields) -> Optional[Constraint]:
+    """The engine constraint of `response_format` / `structured_outputs`, or None (free text).
+    A malformed one is a 400 naming its field; two constraints at once, a 400 naming both."""
+    found: list[tuple[str, Constraint]] = []
+    if body.response_format is not None:
+        c = _response_format_constraint(body.response_format)
+        if c is not None:
+            found.append(("response_format", c))
+    if body.structured_outputs is not None:
+        found.append(_structured_outputs_constraint(body.structured_outputs))
+    if len(found) > 1:
+        (first, _), (second, _) = found
+        raise field_error(second, f"{first} and {second} both constrain the output; send only one of them")
+    return found[0][1] if found else None
+
+
+def _response_format_constraint(rf: ResponseFormat) -> Optional[Constraint]:
+    """text: none; json_object: any JSON object; json_schema: the schema, enforced whether
+    `strict` is true or false (a constrained decoder has no cheaper "best effort" mode)."""
+    if rf.type != "json_schema":
+        if rf.json_schema is not None:
+            raise field_error("response_format.json_schema",
+                              f"response_format.json_schema is only allowed with type json_schema (type is {rf.type!r})")
+        return None if rf.type == "text" else Constraint(kind="json_object")
+    if rf.json_schema is None:
+        raise field_error("response_format.json_schema", "response_format.json_schema is required with type json_schema")
+    if rf.json_schema.schema_ is None:
+        raise field_error("response_format.json_schema.schema",
+                          "response_format.json_schema.schema is required: the JSON Schema the output must match")
+    return Constraint(kind="json_schema", spec=json.dumps(rf.json_schema.schema_))
+
+
+def _structured_outputs_constraint(so: StructuredOutputs) -> tuple[str, Constraint]:
+    """(`structured_outputs.<key>`, its constraint) for the one key set."""
+    if so.whitespace_pattern is not None:
+        raise field_error("structured_outputs.whitespace_pattern",
+                          "structured_outputs.whitespace_pattern is not supported by this server")
+    if so.disable_additional_properties:
+        raise field_error("structured_outputs.disable_additional_properties",
+                          "structured_outputs.disable_additional_properties=true is not supported by this server "
+                          "(set additionalProperties in the schema)")
+    # JSON is compact unless the request asks for vLLM's default of any whitespace (false, explicitly)
+    any_ws = so.disable_any_whitespace is False
+    keys = _structured_keys(so)
+    if len(keys) != 1:
+        got = " and ".join(f"structured_outputs.{k}" for k in keys) if keys else "none"
+        raise field_error("structured_outputs", "structured_outputs must set exactly one of "
+                                                f"{', '.join(_STRUCTURED_KINDS)} (got {got})")
+    key = keys[0]
+    where = f"structured_outputs.{key}"
+    kind = _STRUCTURED_KINDS[key]
+    if key == "json_object":
+        if so.json_object is not True:
+            raise field_error(where, f"{where} must be true when given (false sets no constraint; omit it)")
+        return where, Constraint(kind=kind, any_whitespace=any_ws)
+    if key == "choice":
+        return where, Constraint(kind=kind, choices=list(so.choice or []))
+    value = so.json_ if key == "json" else getattr(so, key)
+    return where, Constraint(kind=kind, spec=json.dumps(value) if isinstance(value, dict) else value, any_whitespace=any_ws)
+
+
+def _constraint_field(body: SamplingFields) -> Optional[str]:
+    """The request field an (already validated) output constraint came from, for error messages."""
+    if body.structured_outputs is not None:
+        return f"structured_outputs.{_structured_keys(body.structured_outputs)[0]}"
+    if body.response_format is not None and body.response_format.type != "text":
+        return "response_format"
+    return None
 
 
 def _check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
@@ -595,9 +680,14 @@ def _engine_field_names(body: SamplingFields) -> dict[str, str]:
             "prompt_ids": "prompt"}
 
 
-def _openai_field_error(err: InvalidRequest, renames: dict[str, str]) -> InvalidRequest:
-    """`err` with `param` set from its leading "field:" and the engine's field names replaced."""
-    field, sep, _ = err.message.partition(":")
+def _openai_field_error(err: InvalidRequest, renames: dict[str, str],
+                        constraint_field: Optional[str] = None) -> InvalidRequest:
+    """`err` with `param` set from its leading "field:" and the engine's field names replaced.
+    The engine names a constraint by kind ("constraint.regex: why"); `constraint_field` is the
+    request field it came from (`_constraint_field`)."""
+    field, sep, rest = err.message.partition(":")
+    if sep and constraint_field is not None and field.split(".")[0] == "constraint":
+        return field_error(constraint_field, f"{constraint_field}:{rest}")
     if not sep or not field.isidentifier():
         return err
     message = err.message
@@ -616,7 +706,7 @@ async def _respond(request: Request, engine: EngineAPI, reqs: list[GenerateReque
         try:
             await gen.start()
         except InvalidRequest as e:  # the engine names its own fields; say them the OpenAI way
-            raise _openai_field_error(e, renames) from None
+            raise _openai_field_error(e, renames, _constraint_field(body)) from None
 
     created = int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

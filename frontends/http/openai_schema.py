@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jax_engine.errors import InvalidRequest
 
@@ -55,6 +55,52 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(_Strict):
+    """OpenAI `response_format.json_schema`."""
+
+    name: str = Field(..., description="the schema's name (required by OpenAI; not used otherwise)")
+    description: Optional[str] = Field(None, description="accepted; not used")
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema", description="the JSON Schema the output matches")
+    strict: Optional[bool] = Field(None, description="accepted either way: the schema is always enforced")
+
+
+class ResponseFormat(_Strict):
+    """OpenAI `response_format`: text (no constraint), json_object (any JSON object) or
+    json_schema (`json_schema.schema` enforced, whatever `strict` says)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaSpec] = Field(None, description="required with type json_schema, only then")
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object,
+    structural_tag. The options that tune vLLM's JSON grammar are accepted only at their neutral
+    value (the engine's grammar library has no such knobs); disable_fallback is accepted either
+    way (there is one grammar backend, so nothing falls back)."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json",
+                                                        description="a JSON Schema: an object, or its JSON text")
+    regex: Optional[str] = Field(None, description="a regular expression the whole output matches")
+    choice: Optional[list[str]] = Field(None, description="the output is exactly one of these strings")
+    grammar: Optional[str] = Field(None, description="an EBNF / GBNF grammar (`root ::= ...`)")
+    json_object: Optional[bool] = Field(None, description="true: any JSON object")
+    structural_tag: Optional[str] = Field(None, description="a structural tag (JSON text: structures and triggers)")
+    disable_fallback: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = Field(
+        None, description="JSON output is compact (no whitespace between tokens) unless this is explicitly false")
+    disable_additional_properties: Optional[bool] = Field(
+        None, description="only false is accepted (set additionalProperties in the schema)")
+    whitespace_pattern: Optional[str] = Field(None, description="not supported: leave unset")
+
+    @field_validator("json_", mode="before")
+    @classmethod
+    def _json_shape(cls, value: Any) -> Any:
+        # Checked here so that the error names `structured_outputs.json`, not a union member.
+        if value is not None and not isinstance(value, (dict, str)):
+            raise ValueError("must be a JSON Schema object or its JSON text (a string)")
+        return value
+
+
 class SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -81,6 +127,10 @@ class SamplingFields(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured generation: at most one of the two may set a constraint
+    response_format: Optional[ResponseFormat] = Field(None, description="OpenAI output format (also on completions, "
+                                                                        "as in vLLM)")
+    structured_outputs: Optional[StructuredOutputs] = Field(None, description="vLLM's structured outputs")
 
 
 class CompletionRequest(SamplingFields):
@@ -115,7 +165,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0)
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None

@@ -176,6 +176,8 @@ class ModelRunner:
         be = attention.get(cfg.attention_backend)
         self.page_buckets = page_buckets(self.p_max, rc.page_bucket_ratio) if be.page_buckets else [self.p_max]
         self.dummy_slot = rc.max_running
+        self.mask_words = (cfg.vocab_size + 31) // 32        # the step's grammar bitmask width
+        self._free_masks: dict[int, jax.Array] = {}
         self.programs = ProgramCache("decoder")
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests inject step failures here
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else jax.local_devices()[0]
@@ -223,12 +225,14 @@ class ModelRunner:
         # Step outputs are replicated over the mesh so any process can read them locally (multihost.py).
         rep = (lambda t: jax.lax.with_sharding_constraint(t, self._replicated)) if self.mesh is not None else (lambda t: t)
 
-        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, *, mode):
+        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, mask, *, mode):
             """The model over the step's tokens (KV written), then per sample row: penalties, bias,
-            bans, the draw, logprobs and the penalty-count update; also the final hidden states."""
+            bans, the grammar mask, the draw, logprobs and the penalty-count update; also the final
+            hidden states."""
             h, k, v = llama.forward(params, cfg, state["k"], state["v"], inp, ps)
             raw = llama.lm_head(params, cfg, h[sample_idx])                  # [R, V] float32
             logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
+            logits = sampling.apply_token_mask(logits, mask)
             tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
             chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
             counts = state["counts"].at[slot_ids, tok].add(1)
@@ -279,8 +283,20 @@ class ModelRunner:
         need = max((math.ceil((r.start + len(r.tokens)) / ps) for r in rows), default=1)
         return T, pick(self.page_buckets, need)
 
-    def _step_args(self, rows: list[StepRow]) -> tuple[tuple, tuple]:
-        """(bucket key, the step program's arguments) for these rows."""
+    def _mask_arg(self, masks: Optional[np.ndarray], R: int) -> jax.Array:
+        """The [R, mask_words] grammar bitmask: the sample rows' masks, all-allowed elsewhere; with
+        no constrained row, a cached all-ones device array (nothing is transferred)."""
+        if masks is None:
+            if R not in self._free_masks:
+                self._free_masks[R] = self._put(np.full((R, self.mask_words), -1, np.int32))[0]
+            return self._free_masks[R]
+        out = np.full((R, self.mask_words), -1, np.int32)
+        out[:len(masks)] = masks[:, :self.mask_words]
+        return self._put(out)[0]
+
+    def _step_args(self, rows: list[StepRow], masks: Optional[np.ndarray] = None) -> tuple[tuple, tuple]:
+        """(bucket key, the step program's arguments) for these rows; masks [samples, >= mask_words]
+        int32 holds the packed grammar bitmask of each sample row, in the rows' sample order."""
         ps = self.rc.page_size
         T, Pb = self.step_shape(rows)
         R = self.rows_for(T)
@@ -320,12 +336,13 @@ class ModelRunner:
         inp = StepInputs(*self._put(tokens, positions, slots, row_of, kv_limit, table, kv_lens, cu,
                                     np.array([len(rows)], np.int32)))
         sample_idx, slot_ids = self._put(sample_idx, slot_ids)
-        return (T, Pb), (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, R))
+        return (T, Pb), (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, R), self._mask_arg(masks, R))
 
     @mirrored
-    def step(self, rows: list[StepRow], greedy: bool) -> StepResult:
-        """One ragged step over `rows` (decode rows and prefill chunks together)."""
-        key, args = self._step_args(rows)
+    def step(self, rows: list[StepRow], greedy: bool, masks: Optional[np.ndarray] = None) -> StepResult:
+        """One ragged step over `rows` (decode rows and prefill chunks together); `masks` as in
+        _step_args (None: no row is constrained)."""
+        key, args = self._step_args(rows, masks)
         prog = "step_greedy" if greedy else "step_sample"
         (tok, lp, top_v, top_i, h), self.state = self._run(prog, key, args)
         n = sum(len(r.samples) for r in rows)

@@ -3,10 +3,11 @@
 Rules where engines differ (chosen here, stated in the README):
 - penalties follow vLLM: repetition (HF/CTRL multiplicative) over prompt + output tokens;
   frequency and presence (OpenAI additive) over output tokens only;
-- order: penalties -> logit_bias -> min_new_tokens mask -> temperature -> top-k -> top-p over the
+- order: penalties -> logit_bias -> min_new_tokens mask -> grammar mask -> temperature -> top-k -> top-p over the
   renormalised top-k mass -> min-p (transformers' and vLLM's order: probabilities [.4, .3, .2, .1]
   with top_k 2 and top_p 0.5 keep one token);
-- reported logprobs are the model's raw log-softmax (vLLM's default), not the processed ones;
+- reported logprobs are the model's raw log-softmax (vLLM's default), not the processed ones, so
+  also not renormalised over what a grammar allows;
 - the PRNG key of a row is fold_in(PRNGKey(seed), number of tokens generated so far), all 64 bits
   of the seed used, so a seeded request draws the same tokens whatever else is in the batch.
 """
@@ -62,6 +63,18 @@ def process_logits(logits: jax.Array, sa: SamplingArrays, counts: jax.Array, pro
     logits = logits.at[rows, sa.bias_ids].add(sa.bias_vals)
     logits = logits.at[rows, sa.ban_ids].add(jnp.where(sa.ban_on, NEG_INF, 0.0))
     return logits
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Structured generation: keep the tokens whose bit is set in the row's packed bitmask
+    (mask [R, ceil(V / 32)] int32, bit t % 32 of word t // 32; all ones for a free row) and set the
+    others to NEG_INF. Behind a lax.cond so a step with no constrained row pays nothing."""
+    R, V = logits.shape
+
+    def masked() -> jax.Array:
+        bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        return jnp.where(bits.reshape(R, -1)[:, :V] != 0, logits, NEG_INF)
+    return jax.lax.cond(jnp.any(mask != -1), masked, lambda: logits)
 
 
 # A row's kept set is an upper set of its scaled logits, so it is one threshold per row. The threshold

@@ -21,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 
+from jax_engine.constrain.state import fill_masks
 from jax_engine.decode.page_pool import PagePool, chain_hashes
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.decode.runner import ModelRunner, StepResult
@@ -211,7 +212,7 @@ class Scheduler:
         sampled = [smp for r in rows for smp in r.samples]
         greedy = all(smp.sampling.temperature <= 0 for smp in sampled)
         try:
-            res = self.runner.step(rows, greedy)
+            res = self.runner.step(rows, greedy, self._masks(decoding, chunks, len(sampled)))
         except Exception as e:
             self._step_failed(decoding + [seq for seq, _ in chunks], e)
             return
@@ -237,6 +238,21 @@ class Scheduler:
             except Exception as e:
                 self._step_failed([seq], e)
             j += k
+
+    def _masks(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]], n: int) -> Optional[np.ndarray]:
+        """The grammar bitmask of every sample row (in _run_step's sample order), or None when no
+        row is constrained. The next token of a row depends on the token this step draws, so the
+        masks are computed between steps, all rows at once on llguidance's threads."""
+        owners: list[Sequence] = list(decoding)
+        for seq, k in chunks:
+            if seq.num_computed + k >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None:
+                owners += [seq] + seq.followers
+        rows = [(s.grammar, j) for j, s in enumerate(owners) if s.grammar is not None]
+        if not rows:
+            return None
+        out = np.full((n, rows[0][0].words), -1, np.int32)
+        fill_masks(rows, out)
+        return out
 
     def _after_chunk(self, seq: Sequence, n: int, res: StepResult, j: int, h: Optional[np.ndarray]) -> None:
         """Book-keeping for one computed chunk: prompt logprobs, cache pages, and for the chunk
@@ -349,12 +365,22 @@ class Scheduler:
             finish, matched = "stop", stop_str
         elif n_out >= req.max_new_tokens or seq.total_len >= self.max_model_len:
             finish = "length"
+        error = None
+        if seq.grammar is not None:
+            if not seq.grammar.consume(tok):
+                # only a min_new_tokens ban on the one token the grammar allows can get here
+                finish, matched = "error", None
+                error = f"constraint: token {tok} is outside the grammar ({seq.grammar.error()})"
+            elif finish is None and seq.grammar.stopped():
+                finish = "stop"             # the grammar is complete: nothing more may follow
         logprobs = None
         if p.logprobs or p.top_logprobs:
             top = [(int(top_i[j]), float(top_v[j])) for j in range(p.top_logprobs)]
             logprobs = [TokenLogprob(tok, lp, top)]
         out = self._output(seq, [tok], logprobs, finish is not None)
         out.finish_reason, out.matched_stop = finish, matched
+        if error is not None:
+            out.error, out.error_kind = error, "internal"
         if finish is not None:
             self._retire(seq)
         self._emit(req, out)

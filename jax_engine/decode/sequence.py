@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from jax_engine.constrain.state import GrammarState
 from jax_engine.decode.detokenizer import IncrementalDetokenizer
 from jax_engine.types import GenerateOutput, SamplingParams, TokenLogprob
 
@@ -57,6 +58,7 @@ class Sequence:
     emitted_prompt_lp: bool = False
     prompt_lps: list[Optional[TokenLogprob]] = field(default_factory=list)
     preemptions: int = 0
+    grammar: Optional[GrammarState] = None   # structured generation: the next token's allowed set
 
     @property
     def tokens(self) -> list[int]:

@@ -12,6 +12,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable, Optional, Union
 
 import jax
@@ -23,6 +24,7 @@ from tqdm import tqdm
 from jax_engine import attention
 from jax_engine.checkpoint.hf import load_tokenizer, read_config
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
+from jax_engine.constrain.compiler import CompiledGrammar, GrammarCompiler
 from jax_engine.decode.detokenizer import IncrementalDetokenizer
 from jax_engine.decode.page_pool import PagePool
 from jax_engine.decode.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
@@ -36,6 +38,7 @@ from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig
 from jax_engine.models.llama_weights import count_params, load_params
 from jax_engine.types import (
+    Constraint,
     EmbedOutput,
     EmbedRequest,
     GenerateOutput,
@@ -99,6 +102,8 @@ class GenerateWorker:
         self.tokenizer = load_tokenizer(spec.path)
         tok_eos = self.tokenizer.eos_token_id
         self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_ids, args.grammar_cache_size,
+                                        args.max_grammar_bytes)
         self.meshes = make_meshes(tp, replicas)
         self.replicas: list[Scheduler] = []
         self.local_runners: dict[str, ModelRunner] = {}   # by "<model>/<replica>", never wrapped
@@ -170,7 +175,16 @@ class GenerateWorker:
         return all(s.alive() for s in self.replicas)
 
     # ------------------------------------------------------------------ requests
-    def submit_generate(self, req: GenerateRequest, sink: Callable[[GenerateOutput], None]) -> str:
+    def compile_constraint(self, c: Constraint) -> "Future[CompiledGrammar]":
+        """Start compiling a request's constraint (InvalidRequest at once for a malformed one);
+        the request waits in the grammar queue until the future is done."""
+        return self.grammars.compile(c)
+
+    def submit_generate(self, req: GenerateRequest, sink: Callable[[GenerateOutput], None],
+                        grammar: Optional[CompiledGrammar] = None) -> str:
+        """Validate and queue a request; `grammar` is its compiled constraint (compile_constraint)."""
+        if (req.params.constraint is None) != (grammar is None):
+            raise InvalidRequest("constraint: the request's constraint was not compiled")
         ids = self._prompt_ids(req)
         max_new = self._validate(req, ids)
         sched = min(self.replicas, key=lambda s: s.load())
@@ -184,7 +198,7 @@ class GenerateWorker:
         for i in range(p.n):
             r.seqs.append(Sequence(req=r, index=i, detok=IncrementalDetokenizer(
                 self.tokenizer, ids, p.skip_special_tokens, list(p.stop), p.include_stop_str_in_output,
-                p.spaces_between_special_tokens)))
+                p.spaces_between_special_tokens), grammar=grammar.new_state() if grammar is not None else None))
         sched.submit(r)
         return req.request_id
 
@@ -362,8 +376,11 @@ class GenerateWorker:
                 prefix_cache_miss_tokens=pool.miss_tokens,
                 compilations_after_warmup=s.runner.programs.compilations_after_warmup,
                 max_running_requests=s.max_running, max_num_batched_tokens=s.budget, preemptions=s.preemptions))
+        # requests wait for their grammar before a replica is chosen: the queue is the model's, shown on rank 0
+        per[0].grammar_queue = self.grammars.queued
         tot = ModelStats(name=self.spec.name, page_size=self.page_size, replicas=per,
-                         max_num_batched_tokens=self.replicas[0].budget, matmul_routes=self._matmul_routes())
+                         max_num_batched_tokens=self.replicas[0].budget, matmul_routes=self._matmul_routes(),
+                         grammar_queue=self.grammars.queued)
         for f in ("running_requests", "waiting_requests", "pages_total", "pages_used", "pages_free",
                   "prefill_tokens_per_s", "decode_tokens_per_s", "total_prompt_tokens", "total_generated_tokens",
                   "prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "compilations_after_warmup",

@@ -4,8 +4,10 @@ drain, fault containment and accounting, through the real servers on the shared 
 Each row test checks the exact status (or the in-band error of Arctic `error` / AllSpark
 `as_status`), that the message names the field (and the limit), and that a normal request
 succeeds right after on the same server. Rows covered elsewhere say where, in their docstring.
-Rows 10-12 (structured output, client chat templates, media URLs) do not apply: those features
-are refused by name (tests/frontends/test_http_openai.py, test_grpc_sglang.py, test_grpc_allspark.py).
+Row 10 (structured output) is covered by tests/engine/test_constraints.py (compile limits) and
+tests/frontends/test_constraints_fronts.py (every front's fields and refusals). Rows 11-12 (client
+chat templates, media URLs) do not apply: those features are refused by name
+(tests/frontends/test_http_openai.py, test_grpc_sglang.py, test_grpc_allspark.py).
 """
 from __future__ import annotations
 

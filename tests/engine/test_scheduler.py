@@ -7,25 +7,11 @@ import random
 import numpy as np
 import pytest
 
-from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.decode.rows import SamplingRow
-from jax_engine.engine import Engine
 from jax_engine.errors import InvalidRequest, Overloaded
 from jax_engine.models.demo import build_demo_generator, llama_config
 from jax_engine.types import EmbedRequest, GenerateRequest, SamplingParams
-
-PS = 8
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def make_engine(path: str, warmup: bool = True, **kw) -> Engine:
-    args = dict(max_running_requests=8, max_num_batched_tokens=64, max_model_len=128, page_size=PS,
-                max_waiting_requests=256)
-    args.update(kw)
-    eng = Engine(EngineArgs(models=[ModelSpec(name="gen", path=path)], **args))
-    eng.load_all(progress=False, warmup=warmup)
-    return eng
+from tests.helpers.engines import PS, TINY, make_engine, run
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +26,6 @@ def engine(model_dir):
     eng = make_engine(model_dir)
     yield eng
     eng.shutdown()
-
-
-async def run(engine: Engine, prompt, **params) -> dict:
-    """Collect one request's events into tokens / text / final info per index."""
-    req = GenerateRequest(request_id=params.pop("request_id", ""), prompt_ids=prompt if isinstance(prompt, list) else None,
-                          prompt=prompt if isinstance(prompt, str) else None, params=SamplingParams(**params))
-    res: dict = {}
-    async for o in engine.generate(req):
-        r = res.setdefault(o.index, {"tokens": [], "text": "", "logprobs": [], "final": None})
-        r["tokens"] += o.new_token_ids
-        r["text"] += o.new_text
-        r["logprobs"] += o.logprobs or []
-        if o.prompt_logprobs is not None:
-            r["prompt_logprobs"] = o.prompt_logprobs
-        if o.finished:
-            r["final"] = o
-    return res
 
 
 def greedy(prompt, new_tokens, **kw):

@@ -220,7 +220,7 @@ def test_concurrent_get_loops_and_control_calls_progress(stub):
     (dict(num_return_sequences=2), pb.ALLSPARK_PARAM_ERROR),
     (dict(no_repeat_ngram_size=3), pb.ALLSPARK_PARAM_ERROR),
     (dict(bad_words_ids=pb.BadWordIds(ids=[pb.BadWordIds.Array(word=[5])])), pb.ALLSPARK_PARAM_ERROR),
-    (dict(response_format={"type": "json_object"}), pb.ALLSPARK_PARAM_ERROR),
+    (dict(response_format={"type": "xml"}), pb.ALLSPARK_PARAM_ERROR),
     (dict(lora_name="adapter"), pb.ALLSPARK_PARAM_ERROR),
     (dict(top_p=1.5), pb.ALLSPARK_PARAM_ERROR),
 ], ids=["unknown-model", "embedding-model", "int32", "1d", "batch2", "bytes", "no-input_ids", "oov", "empty",

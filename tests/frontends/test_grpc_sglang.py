@@ -131,11 +131,15 @@ def test_unsupported_fields_are_refused_by_name(stub, field, value):
     assert field in e.value.details()
 
 
-@pytest.mark.parametrize("constraint", ["regex", "json_schema", "ebnf_grammar", "structural_tag"])
-def test_constraints_are_refused(stub, constraint):
+@pytest.mark.parametrize("constraint,spec", [("regex", "(a"), ("json_schema", "not json"),
+                                             ("ebnf_grammar", "root ::= ("), ("structural_tag", "not json")])
+def test_constraint_the_engine_cannot_compile_is_invalid_argument(stub, constraint, spec):
+    """The constraint reaches the engine (tests/frontends/test_constraints_fronts.py checks the
+    mapping); its refusal names the SGLang field."""
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Generate(gen_request("c", sampling_params=greedy(4, **{constraint: "x"}))))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and constraint in e.value.details()
+        list(stub.Generate(gen_request("c", sampling_params=greedy(4, **{constraint: spec}))))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(f"sampling_params.{constraint}:"), e.value.details()
 
 
 @pytest.mark.parametrize("req", [

@@ -191,7 +191,7 @@ def test_chat_content_parts_and_developer_role(client):
 @pytest.mark.parametrize("route,field,value", [
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "response_format", {"type": "xml"}),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "audio", {"voice": "alloy"}),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),

@@ -127,10 +127,6 @@ def test_sglang_embed_texts_with_token_ids_is_refused(grpc_channel):
 # ============================================================================================
 SGLANG_REFUSED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (field named in the error, GenerateRequest fields, SamplingParams fields)
-    ("regex", {}, {"regex": "a+"}),
-    ("json_schema", {}, {"json_schema": "{}"}),
-    ("ebnf_grammar", {}, {"ebnf_grammar": "root ::= 'a'"}),
-    ("structural_tag", {}, {"structural_tag": "{}"}),
     ("custom_params", {}, {"custom_params": struct_pb2.Struct(fields={"seed": struct_pb2.Value(number_value=1)})}),
     ("token_ids_logprob", {"token_ids_logprob": [5]}, {}),
     ("lora_id", {"lora_id": "adapter"}, {}),
@@ -172,7 +168,6 @@ ALLSPARK_REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("num_return_sequences", {"num_return_sequences": 2}),
     ("no_repeat_ngram_size", {"no_repeat_ngram_size": 2}),
     ("bad_words_ids", {"bad_words_ids": apb.BadWordIds(ids=[apb.BadWordIds.Array(word=[5])])}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
     ("lora_name", {"lora_name": "adapter"}),
     ("suppress_repetition_in_generation", {"suppress_repetition_in_generation": True}),
     ("top_k_arr", {"top_k_arr": [1]}),
