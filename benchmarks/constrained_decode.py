@@ -422,7 +422,7 @@ def render(d: dict, quick: bool) -> list[str]:
             lines += ["", f"Not in the table: a fresh compiler's first compile, which waits for llguidance's view of "
                           f"the tokenizer (built once per model, in the background while it loads): {tb:.2f} s "
                           f"(median of {len(cases)})."]
-    return lines
+    return lines + [""]
 
 
 # =============================================================================================

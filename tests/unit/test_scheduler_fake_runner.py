@@ -93,7 +93,8 @@ class FakeRunner:
                                  [q.slot] + [f.slot for f in q.followers], bool(q.output_ids)) for q in s.prefilling]
         return running, prefilling
 
-    def step(self, rows: list[StepRow], greedy: bool) -> StepResult:
+    def step(self, rows: list[StepRow], greedy: bool, masks=None) -> StepResult:
+        assert masks is None                 # no request here is constrained (tests/engine/test_constraints.py)
         running, prefilling = self._snapshot()
         rows = [StepRow(list(r.tokens), r.start, list(r.pages), list(r.samples)) for r in rows]
         self.steps.append(Step(rows, greedy, running, prefilling))
