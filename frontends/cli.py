@@ -189,6 +189,15 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     opt(lim, "--http-read-timeout", type=_positive_float, default=DEFAULT_HTTP_READ_TIMEOUT_S,
         help="seconds an HTTP client has to send its request head, and again its body (else 408)")
 
+    chat = p.add_argument_group("chat answers (OpenAI /v1/chat/completions)")
+    opt(chat, "--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+        help='parse tool calls out of answers for tool_choice "auto": hermes (Qwen2.5 / Qwen3 <tool_call>), '
+             "llama3_json (Llama 3.1+), mistral ([TOOL_CALLS]); none: tools with \"auto\" are refused "
+             '(tool_choice "required" / named work without a parser)')
+    opt(chat, "--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+        help="move <think>...</think> reasoning into reasoning_content: qwen3 (the answer opens <think>), "
+             "deepseek_r1 (the prompt opens it)")
+
     net = p.add_argument_group("network")
     opt(net, "--host", default="127.0.0.1", help="address both fronts bind")
     opt(net, "--grpc-port", type=_port, default=50051, help="gRPC port (0 = pick a free port and log it)")
@@ -425,7 +434,8 @@ async def serve(ns: argparse.Namespace, channel: Optional["StepChannel"] = None)
 
     app = create_app(shared, api_key=ns.api_key, admin_api_key=ns.admin_api_key, enable_admin=ns.enable_admin,
                      servicers=servicers, max_body_bytes=ns.max_message_bytes, metrics=metrics,
-                     body_timeout_s=ns.http_read_timeout)
+                     body_timeout_s=ns.http_read_timeout, tool_call_parser=ns.tool_call_parser,
+                     reasoning_parser=ns.reasoning_parser)
     try:
         sock = _bind(ns.host, ns.http_port)
     except OSError as e:

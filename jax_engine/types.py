@@ -120,6 +120,9 @@ class EmbedRequest:
     normalize: Optional[bool] = None    # None = the model's own pooling config
     truncate: bool = True               # texts longer than the context are truncated (TEI default)
     priority: int = 0
+    dimensions: Optional[int] = None    # Matryoshka: keep the first n of the pooled vector (then L2
+                                        # renormalise if the model normalises); one of the model's
+                                        # ModelInfo.matryoshka_dimensions; None = the full vector
 
 
 @dataclass
@@ -149,6 +152,10 @@ class ModelInfo:
     id2label: dict[int, str] = field(default_factory=dict)
     hidden_size: int = 0
     embedding_dim: int = 0
+    # Embedding sizes EmbedRequest.dimensions may ask for (Matryoshka), from the HF config.json as
+    # vLLM reads it: `matryoshka_dimensions`, or every size 1..embedding_dim when it only says
+    # `is_matryoshka: true`; empty = the full embedding_dim only.
+    matryoshka_dimensions: list[int] = field(default_factory=list)
     tp: int = 1
     replicas: int = 1
     page_size: int = 0

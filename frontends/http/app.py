@@ -33,6 +33,12 @@ from frontends.common.version import package_version
 from frontends.http.mirror import add_mirror_routes
 from frontends.http.openai import router as openai_router
 from frontends.http.openai_schema import field_error, openai_error_body
+from frontends.http.reasoning import check_reasoning_parser
+from frontends.http.responses import router as responses_router
+from frontends.http.retrieval import TEI_PATHS, tei_error_body
+from frontends.http.retrieval import router as retrieval_router
+from frontends.http.tokenize import router as tokenize_router
+from frontends.http.tool_calls import check_tool_call_parser
 from jax_engine.api import EngineAPI
 from jax_engine.errors import EngineError, Unauthenticated
 
@@ -64,6 +70,8 @@ def error_response(path: str, err: BaseException, headers: Optional[dict[str, st
     if _is_openai_path(path):
         body = openai_error_body(status, error_message(err), param=getattr(err, "param", None),
                                  code=error_body(err)["code"])
+    elif path in TEI_PATHS:  # TEI's own routes answer TEI's error body
+        body = tei_error_body(status, error_message(err), err)
     else:
         body = error_body(err)
     return JSONResponse(body, status_code=status, headers=hdrs)
@@ -79,6 +87,8 @@ def _plain_error(path: str, status: int, message: str, headers: Optional[dict[st
     """Error response for failures that are HTTP-level, not engine errors (404 route, 413, ...)."""
     if _is_openai_path(path):
         body = openai_error_body(status, message, code=_http_code(status))
+    elif path in TEI_PATHS:
+        body = tei_error_body(status, message)
     else:
         body = {"code": _http_code(status), "message": message}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -308,13 +318,16 @@ class BodyLimitMiddleware:
 def create_app(engine: EngineAPI, *, api_key: Optional[str] = None, servicers: Optional[dict[str, Any]] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, admin_api_key: Optional[str] = None,
                enable_admin: bool = False, metrics: Optional[ServerMetrics] = None,
-               body_timeout_s: float = DEFAULT_HTTP_READ_TIMEOUT_S) -> FastAPI:
+               body_timeout_s: float = DEFAULT_HTTP_READ_TIMEOUT_S, tool_call_parser: Optional[str] = None,
+               reasoning_parser: Optional[str] = None) -> FastAPI:
     """The HTTP front over `engine`.
 
     `servicers` (the composition root builds them with `frontends.grpc.server.make_servicers`)
     adds the JSON mirror routes, with
     the same admin gating as the gRPC front (`enable_admin`, `admin_api_key`). `metrics` lets
     a caller share one ServerMetrics (and its instrumented engine) with the gRPC front.
+    `tool_call_parser` / `reasoning_parser` (--tool-call-parser / --reasoning-parser) parse chat
+    answers into tool_calls / reasoning_content (frontends/http/tool_calls.py, reasoning.py).
     """
     app = FastAPI(
         title="xlaserve",
@@ -323,6 +336,8 @@ def create_app(engine: EngineAPI, *, api_key: Optional[str] = None, servicers: O
                     "services, health, readiness and Prometheus metrics.",
     )
     app.state.metrics = metrics or ServerMetrics(engine)
+    app.state.tool_call_parser = check_tool_call_parser(tool_call_parser)
+    app.state.reasoning_parser = check_reasoning_parser(reasoning_parser)
     engine = app.state.engine = app.state.metrics.instrument(engine)
 
     @app.get("/health", tags=["server"], responses={503: {"description": "a model worker died"}})
@@ -354,6 +369,9 @@ def create_app(engine: EngineAPI, *, api_key: Optional[str] = None, servicers: O
         return Response(app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router)
+    app.include_router(responses_router)
+    app.include_router(retrieval_router)
+    app.include_router(tokenize_router)
     if servicers:
         policy = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, enable_admin=enable_admin)
         add_mirror_routes(app, servicers, policy=policy, max_body_bytes=max_body_bytes)

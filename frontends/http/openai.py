@@ -2,12 +2,15 @@
 
 The request models (openai_schema.py) are strict: a field we do not implement is refused with a
 400 that names it. Fields OpenAI defines that we only accept at their neutral value (`echo`,
-`suffix`, `best_of`, `tools`, ...) are declared so the client may send the
+`suffix`, `best_of`, ...) are declared so the client may send the
 neutral value, and anything else is refused by `_refuse_unsupported`.
 
 Structured generation: OpenAI `response_format` and vLLM's `structured_outputs` (both routes)
 become one `Constraint` on the engine request (`_output_constraint`); the engine compiles it and
 refuses a grammar it cannot compile, which is a 400 naming the field it came from.
+
+Tool calling and reasoning (chat): tool_calls.py and reasoning.py; the route only wires them in
+(`plan_tools`, the template arguments of `_render_chat`, `ChatOutput` behind `_Shape`).
 
 Every route reads the engine from `request.app.state.engine` (several apps may live in one
 process). Engine errors propagate to the app's exception handlers, which format them with
@@ -23,7 +26,7 @@ import re
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import anyio
 import numpy as np
@@ -43,6 +46,9 @@ from frontends.http.openai_schema import (
     field_error,
     openai_error_body,
 )
+from frontends.http.reasoning import prompt_opens_thinking, template_kwargs
+from frontends.http.tool_calls import ChatOutput, ToolPlan, chat_tool_constraint, plan_tools, template_message
+from frontends.http.tool_calls import finish_reason as tool_finish_reason
 from jax_engine.api import TOKENIZE_INLINE_CHARS, EngineAPI, Tokenizer
 from jax_engine.errors import (
     AlreadyExists,
@@ -97,7 +103,6 @@ def _refuse_unsupported(body: BaseModel) -> None:
     neutral = {
         "echo": (False,),
         "suffix": (None, ""),
-        "tools": (None, []),
         "store": (None, False),
         "metadata": (None, {}),
         "service_tier": (None, "auto", "default"),
@@ -108,14 +113,7 @@ def _refuse_unsupported(body: BaseModel) -> None:
             raise field_error(name, f"{name}={getattr(body, name)!r} is not supported by this server")
     if isinstance(body, CompletionRequest):
         _check_best_of(body)
-    if isinstance(body, ChatCompletionRequest):
-        if body.tool_choice not in (None, "none", "auto"):
-            raise field_error("tool_choice", "tool calling is not supported")
-        if body.parallel_tool_calls is not None:
-            # OpenAI allows it only together with `tools`, which are refused here (no tool calling);
-            # the official client sends it only when the caller sets it.
-            raise field_error("parallel_tool_calls", "parallel_tool_calls is only allowed with tools, "
-                                                     "and tool calling is not supported by this server")
+    if isinstance(body, ChatCompletionRequest):  # the tool fields: plan_tools (tool_calls.py)
         _check_max_tokens_pair(body)
     if body.stream_options is not None and not body.stream:
         raise field_error("stream_options", "stream_options is only allowed when stream is true")
@@ -208,6 +206,9 @@ def _output_constraint(body: SamplingFields) -> Optional[Constraint]:
             found.append(("response_format", c))
     if body.structured_outputs is not None:
         found.append(_structured_outputs_constraint(body.structured_outputs))
+    tools = chat_tool_constraint(body)  # tool_choice required / named (chat only)
+    if tools is not None:
+        found.append(("tool_choice", tools))
     if len(found) > 1:
         (first, _), (second, _) = found
         raise field_error(second, f"{first} and {second} both constrain the output; send only one of them")
@@ -263,6 +264,8 @@ def _constraint_field(body: SamplingFields) -> Optional[str]:
     """The request field an (already validated) output constraint came from, for error messages."""
     if body.structured_outputs is not None:
         return f"structured_outputs.{_structured_keys(body.structured_outputs)[0]}"
+    if chat_tool_constraint(body) is not None:
+        return "tools"
     if body.response_format is not None and body.response_format.type != "text":
         return "response_format"
     return None
@@ -603,28 +606,44 @@ async def create_chat_completion(request: Request, body: ChatCompletionRequest) 
     _refuse_unsupported(body)
     info = _resolve(engine, body.model, "generate")
     tokenizer = engine.tokenizer(info.name, "generate")
+    state = request.app.state
+    plan = plan_tools(body, getattr(state, "tool_call_parser", None))
+    reasoning = getattr(state, "reasoning_parser", None)
+    render = (tokenizer, body.messages, info, plan, template_kwargs(body.chat_template_kwargs))
     if _chat_chars(body.messages) > TOKENIZE_INLINE_CHARS:
         # rendering and tokenizing a long conversation takes a while: off the event loop
-        prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages, info)
+        prompt_ids = await asyncio.to_thread(_render_chat, *render)
     else:
-        prompt_ids = _render_chat(tokenizer, body.messages, info)
+        prompt_ids = _render_chat(*render)
     if body.top_logprobs is not None and not body.logprobs:
         raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
     top_n = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _sampling_params(engine, body, max_tokens=max_tokens, logprobs=body.logprobs,
                               top_logprobs=top_n, top_logprobs_field="top_logprobs")
+    output = None
+    if plan.active or reasoning:  # the answer is parsed into reasoning_content / tool_calls (tool_calls.py)
+        # mistral's [TOOL_CALLS] marker is a special token: kept in the text, and so is the EOS, dropped again
+        params.skip_special_tokens &= plan.parser != "mistral"
+        eos = [tokenizer.decode([t]) for t in info.eos_token_ids] if not params.skip_special_tokens else []
+        opened = reasoning is not None and prompt_opens_thinking(tokenizer.decode(prompt_ids[-16:]))
+
+        def output() -> ChatOutput:
+            return ChatOutput(plan=plan, reasoning_parser=reasoning, prompt_opened=opened, drop_suffixes=eos)
     rid = "chatcmpl-" + uuid.uuid4().hex
     reqs = [_make_request(rid, 0, 1, prompt_ids, params, info.name)]
-    shape = _Shape(chat=True, text_of=_TokenText(tokenizer), logprobs=params.logprobs, top_n=top_n)
+    shape = _Shape(chat=True, text_of=_TokenText(tokenizer), logprobs=params.logprobs, top_n=top_n, output=output)
     return await _respond(request, engine, reqs, body, shape, rid=rid, model=info.name)
 
 
 class _Shape:
     """What differs between /v1/completions and /v1/chat/completions output."""
 
-    def __init__(self, *, chat: bool, text_of: _TokenText, logprobs: bool, top_n: int):
+    def __init__(self, *, chat: bool, text_of: _TokenText, logprobs: bool, top_n: int,
+                 output: Optional[Callable[[], ChatOutput]] = None):
         self.chat, self.text_of, self.logprobs, self.top_n = chat, text_of, logprobs, top_n
+        self.output = output              # chat answers parsed into reasoning / tool calls
+        self._outputs: dict[int, ChatOutput] = {}
         self.final_object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
@@ -643,29 +662,45 @@ class _Shape:
         return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def delta(self, ev: GenerateOutput, choice: _Choice, logprobs: Any) -> dict[str, Any]:
+    def delta(self, ev: GenerateOutput, choice: _Choice, logprobs: Any) -> Optional[dict[str, Any]]:
+        """This event's chunk item; None when a parsed chat answer holds all of it back."""
         item: dict[str, Any] = {"index": choice.index}
-        if self.chat:
+        finish = _finish_reason(choice.finish_reason)
+        if self.output is not None:
+            out = self._outputs.get(choice.index)
+            if out is None:
+                out = self._outputs[choice.index] = self.output()
+            item["delta"] = out.step(ev.new_text, final=ev.finished)
+            if not (item["delta"] or ev.finished or logprobs is not None):
+                return None
+            finish = tool_finish_reason(finish, out.finishes_with_calls)
+        elif self.chat:
             item["delta"] = {"content": ev.new_text} if ev.new_text or not ev.finished else {}
         else:
             item["text"] = ev.new_text
         item["logprobs"] = logprobs
-        item["finish_reason"] = _finish_reason(choice.finish_reason) if ev.finished else None
+        item["finish_reason"] = finish if ev.finished else None
         if ev.finished:
             item["stop_reason"] = choice.stop_reason
         return item
 
     def final(self, c: _Choice) -> dict[str, Any]:
         item: dict[str, Any] = {"index": c.index}
-        if self.chat:
+        finish = _finish_reason(c.finish_reason)
+        if self.output is not None:
+            out = self.output()
+            item["message"] = out.message("".join(c.text))
+            finish = tool_finish_reason(finish, out.finishes_with_calls)
+        elif self.chat:
             item["message"] = {"role": "assistant", "content": "".join(c.text)}
+        if self.chat:
             item["logprobs"] = {"content": c.content} if self.logprobs else None
         else:
             item["text"] = "".join(c.text)
             item["logprobs"] = ({"tokens": c.tokens, "token_logprobs": c.token_logprobs,
                                  "top_logprobs": c.top_logprobs, "text_offset": c.text_offset}
                                 if self.logprobs else None)
-        item["finish_reason"] = _finish_reason(c.finish_reason)
+        item["finish_reason"] = finish
         item["stop_reason"] = c.stop_reason
         return item
 
@@ -764,7 +799,9 @@ async def _respond(request: Request, engine: EngineAPI, reqs: list[GenerateReque
                     break
                 logprobs = shape.add_logprobs(ev, c)
                 if ev.new_text or ev.finished or logprobs is not None:
-                    yield chunk([shape.delta(ev, c, logprobs)])
+                    item = shape.delta(ev, c, logprobs)
+                    if item is not None:
+                        yield chunk([item])
             else:
                 if include_usage:
                     yield chunk([], _usage(choices, body.n))
@@ -803,10 +840,11 @@ async def create_embeddings(request: Request, body: EmbeddingRequest):
     for ids in token_ids or []:
         _check_token_ids(ids, info.vocab_size, "input")
     dim = info.embedding_dim or info.hidden_size
-    if body.dimensions is not None and dim and body.dimensions != dim:
-        raise field_error("dimensions", f"model {info.name!r} produces {dim}-dimensional embeddings; "
-                                        f"dimensions={body.dimensions} (reduction) is not supported")
-    req = EmbedRequest(request_id="embd-" + uuid.uuid4().hex, texts=texts, token_ids=token_ids, model=info.name)
+    matryoshka = body.dimensions is not None and body.dimensions != dim and body.dimensions in info.matryoshka_dimensions
+    if body.dimensions is not None and dim and body.dimensions != dim and not matryoshka:
+        raise field_error("dimensions", _dimensions_refusal(info, dim, body.dimensions))
+    req = EmbedRequest(request_id="embd-" + uuid.uuid4().hex, texts=texts, token_ids=token_ids, model=info.name,
+                       dimensions=body.dimensions if matryoshka else None)
     try:
         out = await _unless_disconnected(request, engine.embed(req))
     except _ClientGone:
@@ -823,6 +861,16 @@ async def create_embeddings(request: Request, body: EmbeddingRequest):
         data.append({"object": "embedding", "index": i, "embedding": emb})
     return JSONResponse({"object": "list", "data": data, "model": info.name,
                          "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens}})
+
+
+def _dimensions_refusal(info: ModelInfo, dim: int, asked: int) -> str:
+    """Why `dimensions` cannot be served: the model's Matryoshka sizes, or that it has none."""
+    sizes = info.matryoshka_dimensions
+    if not sizes:
+        return (f"model {info.name!r} produces {dim}-dimensional embeddings; dimensions={asked} (reduction) is not "
+                "supported: its config.json declares no Matryoshka dimensions")
+    listed = f"1 to {dim}" if sizes == list(range(1, dim + 1)) else ", ".join(map(str, sorted({*sizes, dim})))
+    return f"model {info.name!r} (Matryoshka) supports dimensions {listed}; got {asked}"
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -879,25 +927,22 @@ def _message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def _render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], info: ModelInfo) -> list[int]:
-    """Messages -> prompt token ids through the model's own chat template."""
+def _render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], info: ModelInfo, tools: Optional[ToolPlan] = None,
+                 template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+    """Messages -> prompt token ids through the model's own chat template (which also gets the
+    request's tools and allowed `chat_template_kwargs`)."""
     if not messages:
         raise field_error("messages", "messages must not be empty")
     if not getattr(tokenizer, "chat_template", None):
         raise field_error("messages", f"model {info.name!r} has no chat template; use /v1/completions")
     rendered: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        if m.role == "tool" or m.tool_call_id is not None:
-            raise field_error(f"messages[{i}].role", "tool messages are not supported (no tool calling)")
-        if m.tool_calls:
-            raise field_error(f"messages[{i}].tool_calls", "tool calls are not supported")
-        content = _message_text(m, i)
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.name is not None:
-            msg["name"] = m.name
-        rendered.append(msg)
+        rendered.append(template_message(m, i, _message_text(m, i), tools.server_parser if tools else None))
+    extra = dict(template_kwargs or {})
+    if tools is not None and tools.template_tools:
+        extra["tools"] = tools.template_tools
     try:
-        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **extra)
     except Exception as e:  # jinja TemplateError from the template's own raise_exception
         raise field_error("messages", f"the chat template rejected the messages: {e}") from None
     # The template writes any BOS itself; adding special tokens again would double it.

@@ -151,12 +151,52 @@ class TextPart(BaseModel):
     text: Optional[str] = None
 
 
+class ToolCallFunction(_Strict):
+    name: str = Field(..., description="the function called")
+    arguments: str = Field(..., description="its arguments: a JSON object as text")
+
+
+class MessageToolCall(_Strict):
+    """A tool call of an earlier assistant message (as the server returned it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$", description="letters, digits, _ and -; at most 64")
+    description: Optional[str] = Field(None, description="shown to the model through the chat template")
+    parameters: Optional[dict[str, Any]] = Field(None, description="JSON Schema of the arguments (default: an "
+                                                                   "object with any properties)")
+    strict: Optional[bool] = Field(None, description="accepted either way: the schema is enforced under "
+                                                     "tool_choice required / named, never under auto")
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """Force a call of this function (its arguments generated under its schema)."""
+
+    type: Literal["function"]
+    function: NamedToolFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
-    tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = Field(None, description="assistant messages: the calls it made")
+    tool_call_id: Optional[str] = Field(None, description="tool messages: the call this answers")
+    reasoning_content: Optional[str] = Field(None, description="assistant messages: their reasoning, passed to the "
+                                                               "chat template (which may drop it)")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -165,9 +205,14 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0)
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
+    tools: Optional[list[ChatTool]] = Field(None, description="functions the model may call; the chat template "
+                                                               "gets them")
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = Field(
+        None, description='none: no calls; auto (default with tools): parsed by the server\'s --tool-call-parser; '
+                          'required / named: generated under a constraint, so the calls always parse')
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call (only with tools)")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="extra chat template variables; allowed keys: enable_thinking, thinking (booleans)")
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None

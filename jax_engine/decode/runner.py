@@ -5,8 +5,10 @@ Programs (each compiled ahead of time per bucket at warmup, looked up through Pr
                               token and prefill chunks, flat) over R = min(T, max_running) rows
                               with P-page tables: writes their KV, attends, and draws the next
                               token for every sample row (a decode row, a chunk that ends a
-                              prompt, n > 1 forks of it) with penalties, bias, bans, logprobs and
-                              the penalty-count update fused in; also returns the T final hidden
+                              prompt, n > 1 forks of it) with penalties, bias, bans, the grammar
+                              bitmask [R, ceil(V / 32)] (structured generation; all ones for free
+                              rows, so constraints compile nothing), logprobs and the
+                              penalty-count update fused in; also returns the T final hidden
                               states (prompt logprobs, embeddings)
   prompt_logprobs[T]          logprobs of the next prompt token at every position of a chunk
   copy_page                   copy-on-write of a partially filled page for n > 1 forks

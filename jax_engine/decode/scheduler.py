@@ -199,20 +199,22 @@ class Scheduler:
 
     def _run_step(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]]) -> None:
         rows: list[StepRow] = []
+        owners: list[Sequence] = []         # the sequence of each sample row, in the step's sample order
         for seq in decoding:
             pos = seq.total_len - 1
             rows.append(StepRow(tokens=[seq.tokens[-1]], start=pos, pages=seq.pages,
                                 samples=[SampleRow(seq.slot, self._sampling_row(seq))]))
+            owners.append(seq)
         for seq, n in chunks:
             start = seq.num_computed
             ends_prompt = start + n >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None
             group = [seq] + seq.followers if ends_prompt else []
             rows.append(StepRow(tokens=seq.tokens[start:start + n], start=start, pages=seq.pages,
                                 samples=[SampleRow(s.slot, self._sampling_row(s)) for s in group]))
-        sampled = [smp for r in rows for smp in r.samples]
-        greedy = all(smp.sampling.temperature <= 0 for smp in sampled)
+            owners += group
+        greedy = all(smp.sampling.temperature <= 0 for r in rows for smp in r.samples)
         try:
-            res = self.runner.step(rows, greedy, self._masks(decoding, chunks, len(sampled)))
+            res = self.runner.step(rows, greedy, self._masks(owners))
         except Exception as e:
             self._step_failed(decoding + [seq for seq, _ in chunks], e)
             return
@@ -239,18 +241,14 @@ class Scheduler:
                 self._step_failed([seq], e)
             j += k
 
-    def _masks(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]], n: int) -> Optional[np.ndarray]:
-        """The grammar bitmask of every sample row (in _run_step's sample order), or None when no
+    def _masks(self, owners: list[Sequence]) -> Optional[np.ndarray]:
+        """The grammar bitmask of every sample row (owners: each row's sequence), or None when no
         row is constrained. The next token of a row depends on the token this step draws, so the
         masks are computed between steps, all rows at once on llguidance's threads."""
-        owners: list[Sequence] = list(decoding)
-        for seq, k in chunks:
-            if seq.num_computed + k >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None:
-                owners += [seq] + seq.followers
         rows = [(s.grammar, j) for j, s in enumerate(owners) if s.grammar is not None]
         if not rows:
             return None
-        out = np.full((n, rows[0][0].words), -1, np.int32)
+        out = np.full((len(owners), rows[0][0].words), -1, np.int32)
         fill_masks(rows, out)
         return out
 

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jax_engine.checkpoint.hf import load_tokenizer
+from jax_engine.checkpoint.hf import load_tokenizer, read_config
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import AlreadyExists, EngineError, Internal, InvalidRequest, Overloaded, Unavailable
 from jax_engine.executor import backend
@@ -214,6 +214,7 @@ class EmbedWorker:
             dispatch_tokens=DISPATCH_COST_TOKENS)
         self.programs = ProgramCache(f"embed:{spec.name}")
         self.programs.register("forward", jax.jit(self._forward))
+        self.matryoshka_dims = _matryoshka_dimensions(spec.path, self.cfg) if self.cfg.task == "embed" else []
         self.info = self._build_info(dtype)
 
         self._cv = threading.Condition()
@@ -248,6 +249,7 @@ class EmbedWorker:
             num_params=bert.count_params(self.params),
             eos_token_ids=[eos] if eos is not None else [], bos_token_id=bos, pad_token_id=pad,
             id2label=dict(c.id2label), hidden_size=c.hidden_size, embedding_dim=c.output_dim,
+            matryoshka_dimensions=list(self.matryoshka_dims),
             tp=1, replicas=1, state="built",     # encoders run on one device (below)
             random_weights=self.spec.random_weights,
         )
@@ -379,6 +381,10 @@ class EmbedWorker:
             raise InvalidRequest("token_type_ids may only accompany token_ids")
         if field_name == "pairs" and self.cfg.task != "classify":
             raise InvalidRequest(f"pairs need a cross-encoder; model {self.spec.name!r} is an embedding model")
+        if req.dimensions is not None and req.dimensions != self.cfg.output_dim \
+                and req.dimensions not in self.matryoshka_dims:
+            raise InvalidRequest(f"dimensions: model {self.spec.name!r} cannot produce {req.dimensions}-dimensional "
+                                 f"vectors (sizes: {self.matryoshka_dims or 'none'} besides {self.cfg.output_dim})")
         if field_name == "token_ids":
             return self._check_token_ids(inputs, req.token_type_ids)
         return self._encode_texts(field_name, inputs, req.truncate)
@@ -530,7 +536,11 @@ class EmbedWorker:
         if self.cfg.task == "classify":
             out.scores = job.results
         else:
-            out.embeddings = bert.l2_normalize(job.results) if job.normalize else job.results
+            vecs = job.results
+            dims = job.req.dimensions
+            if dims is not None and dims < vecs.shape[1]:
+                vecs = np.ascontiguousarray(vecs[:, :dims])  # Matryoshka: truncate, then renormalise
+            out.embeddings = bert.l2_normalize(vecs) if job.normalize else vecs
         return out
 
     def _fail(self, jobs: set, err: EngineError) -> None:
@@ -567,6 +577,28 @@ def _int_array(seq: object, name: str) -> np.ndarray:
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidRequest(f"{name} must be a list of integers")
     return arr.astype(np.int64)
+
+
+def _matryoshka_dimensions(path: str, cfg: bert.EncoderConfig) -> list[int]:
+    """Sizes a Matryoshka encoder's vectors may be cut to, read from config.json as vLLM reads it:
+    `matryoshka_dimensions` (the sizes it was trained at), else every size 1..hidden when it says
+    only `is_matryoshka: true`; [] for any other model. sentence-transformers keeps no such key of
+    its own (its `truncate_dim` is a load-time argument), so config.json is the one source."""
+    raw = read_config(path)
+    full = cfg.output_dim
+    declared = raw.get("matryoshka_dimensions")
+    if declared:
+        if not isinstance(declared, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in declared):
+            log.warning("%s: config.json matryoshka_dimensions %r is not a list of integers; ignored", path, declared)
+            return []
+        dims = sorted({d for d in declared if 1 <= d <= full})
+        if len(dims) != len(set(declared)):
+            log.warning("%s: matryoshka_dimensions outside 1..%d ignored: %s", path, full,
+                        sorted(set(declared) - set(dims)))
+        return dims
+    if raw.get("is_matryoshka") is True:
+        return list(range(1, full + 1))
+    return []
 
 
 def _program_token_cap() -> Optional[int]:

@@ -453,10 +453,10 @@ def test_one_ragged_step_mixes_decode_chunks_prompt_logprobs_and_a_fork(model_di
     gate.set()
     step = runner.step
 
-    def gated(rows, greedy_):
+    def gated(rows, greedy_, masks=None):
         gate.wait()
         steps.append(rows)
-        return step(rows, greedy_)
+        return step(rows, greedy_, masks)
 
     runner.step = gated
     reqs = {
