@@ -309,7 +309,10 @@ class Scheduler:
 
     def _reserve_decode_pages(self) -> list[Sequence]:
         """The running sequences that decode this step, each holding the page of its next position
-        (position total_len - 1); when the pool runs dry the newest running sequence is preempted."""
+        (position total_len - 1). When the pool runs dry the newest admitted sequence, running or
+        still prefilling, is preempted, so the oldest always progresses. (Choosing only among
+        running ones livelocked: a running sequence preempted itself while a newer recompute held
+        the pages, then that one did the same; 65k preemptions in 2 minutes, no token.)"""
         ps = self.page_size
         for seq in sorted(self.running, key=lambda s: (s.req.arrival, s.index)):
             if seq.state is not SeqState.RUNNING:
@@ -319,19 +322,27 @@ class Scheduler:
                 if page is not None:
                     seq.pages.append(page)
                     continue
-                victim = max(self.running, key=lambda s: (s.req.arrival, s.index))
+                victim = max(self.running + self.prefilling, key=lambda s: (s.req.arrival, s.index))
                 self._preempt(victim)
                 if victim is seq:
                     break
         return list(self.running)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.pool.release(seq.pages)
-        seq.pages, seq.page_hashes, seq.num_computed = [], [], 0
-        self.free_slots.append(seq.slot)
-        seq.slot = -1
-        seq.state = SeqState.WAITING
+        """Free a running or prefilling sequence's pages and slot (and those of the n > 1 forks
+        it still carries) and requeue it, to be recomputed from its tokens."""
+        if seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.prefilling.remove(seq)
+        if not seq.output_ids:
+            seq.prompt_lps = []             # a prompt preempted mid-prefill collects them again
+        for s in [seq] + seq.followers:
+            self.pool.release(s.pages)
+            s.pages, s.page_hashes, s.num_computed = [], [], 0
+            self.free_slots.append(s.slot)
+            s.slot = -1
+            s.state = SeqState.WAITING
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.append(seq)

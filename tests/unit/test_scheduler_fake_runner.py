@@ -330,6 +330,24 @@ def test_pages_running_out_preempt_the_newest_and_it_is_recomputed():
     assert_idle_and_clean(sched)
 
 
+def test_a_recompute_holding_the_pages_is_preempted_for_an_older_running_sequence():
+    """Four requests that each grow to 9 of the 11 usable pages: whenever the pool runs dry the
+    newest admitted sequence gives way, prefilling or not, so the oldest always progresses (when
+    only running sequences were victims, a running one preempted itself while a newer recompute
+    held the pages, and so on for ever). Prompt logprobs collected before a mid-prefill
+    preemption are not doubled."""
+    sched = make(num_pages=12, page_size=8, max_batched_tokens=64, max_running=4)
+    outs = [submit(sched, f"r{i}", [20 + i] * 9, 60) for i in range(3)]
+    lp = submit(sched, "lp", list(range(30, 39)), 60, prompt_logprobs_start=0)
+    run(sched, max_steps=3000)
+    assert sched.preemptions > 0
+    for o in outs + [lp]:
+        assert len(tokens(o)) == 60 and o[-1].finish_reason == "length"
+    prompt_lps = next(o.prompt_logprobs for o in lp if o.prompt_logprobs is not None)
+    assert len(prompt_lps) == 9 and prompt_lps[0] is None
+    assert_idle_and_clean(sched)
+
+
 def test_abort_while_waiting_and_while_running_returns_everything():
     sched = make()
     waiting = submit(sched, "w", [1, 2, 3], 5)
