@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_engine.constrain import grammar
 from jax_engine.constrain.state import GrammarState, fill_masks
-from jax_engine.errors import InvalidRequest
+from jax_engine.errors import InvalidRequest, Overloaded
 from jax_engine.types import Constraint
 
 # llguidance's defaults, with error messages that do not echo parser internals to clients
@@ -42,8 +42,8 @@ class GrammarCompiler:
     """One per served decoder (one tokenizer): compiles constraints on its own threads."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: set[int], cache_size: int, max_bytes: int,
-                 threads: int = 2):
-        self.max_bytes, self.cache_size = max_bytes, cache_size
+                 max_queued: int = 256, threads: int = 2):
+        self.max_bytes, self.cache_size, self.max_queued = max_bytes, cache_size, max_queued
         # the model's vocabulary may be padded past the tokenizer's: those ids are never allowed
         self.vocab_size = max(vocab_size, len(hf_tokenizer))
         self.words = (self.vocab_size + 31) // 32
@@ -71,6 +71,8 @@ class GrammarCompiler:
                 done: Future = Future()
                 done.set_result(hit)
                 return done
+            if self._queued >= self.max_queued:
+                raise Overloaded(f"grammar queue is full ({self.max_queued} requests compiling); retry later")
             self._queued += 1
         fut = self._pool.submit(self._compile, c, key)
         fut.add_done_callback(self._dequeue)

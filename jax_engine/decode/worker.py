@@ -103,7 +103,7 @@ class GenerateWorker:
         tok_eos = self.tokenizer.eos_token_id
         self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_ids, args.grammar_cache_size,
-                                        args.max_grammar_bytes)
+                                        args.max_grammar_bytes, max_queued=args.max_waiting_requests)
         self.meshes = make_meshes(tp, replicas)
         self.replicas: list[Scheduler] = []
         self.local_runners: dict[str, ModelRunner] = {}   # by "<model>/<replica>", never wrapped

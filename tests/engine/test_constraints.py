@@ -191,7 +191,7 @@ def test_unconstrained_rows_unchanged_beside_constrained_ones(engine):
 def test_preempted_constrained_request_resumes_its_grammar(model_dir):
     """A pool too small for every row forces preemption; recomputed sequences keep their matcher
     state, so the answers are the ones an unpreempted engine gives (greedy) and still validate."""
-    eng = make_engine(model_dir, num_pages=20, max_running_requests=4, max_model_len=256)
+    eng = make_engine(model_dir, num_pages=12, max_running_requests=4, max_model_len=256)
     try:
         c = Constraint("json_schema", json.dumps(NESTED))
         prompts = [[20 + i] * 9 for i in range(4)]

@@ -45,6 +45,22 @@ def test_compile_cache_hits_and_evicts(compiler):
         compiler.compile(Constraint("regex", "x" * 1001))
 
 
+def test_a_full_grammar_queue_is_overloaded(compiler, monkeypatch):
+    import threading
+
+    from jax_engine.errors import Overloaded
+
+    gate = threading.Event()
+    real = grammar.to_grammar
+    monkeypatch.setattr(grammar, "to_grammar", lambda c: (gate.wait(10), real(c))[1])
+    monkeypatch.setattr(compiler, "max_queued", 2)
+    futs = [compiler.compile(Constraint("regex", f"q{i}")) for i in range(2)]
+    with pytest.raises(Overloaded, match="grammar queue is full"):
+        compiler.compile(Constraint("regex", "q2"))
+    gate.set()
+    assert all(f.result().words == compiler.words for f in futs) and compiler.queued == 0
+
+
 def compiler_token(compiler, text: str) -> int:
     return compiler._tokenizer.result().tokenize_str(text)[0]
 
