@@ -243,6 +243,11 @@ def test_tool_choice_required_gives_valid_calls(engine):
      "none of the triggers"),
     (Constraint("xml", "x"), "unknown kind"),
     (Constraint("regex", "a" * 70000), "exceeds the limit of 65536"),
+    # hostile nesting within the size cap: refused, never a crash (reliability_security.md row 10)
+    (Constraint("json_schema", '{"type": "array", "items": ' * 2000 + '{"type": "integer"}' + "}" * 2000),
+     "constraint.json_schema"),
+    (Constraint("regex", "(" * 20000 + "a" + ")" * 20000), "constraint.regex"),
+    (Constraint("ebnf", "root ::= " + "(" * 20000 + '"a"' + ")" * 20000), "constraint.ebnf"),
 ])
 def test_bad_constraints_are_refused_before_the_scheduler(engine, c, match):
     with pytest.raises(InvalidRequest, match=re.escape(match)):
