@@ -136,6 +136,27 @@ def rnd(x: float | None, digits: int = 3) -> float | None:
     return round(float(x), digits)
 
 
+def fmt(x: Any, spec: str = "{:.1f}") -> str:
+    """A README table cell: `spec` applied, "–" for a missing value."""
+    if x is None:
+        return "–"
+    try:
+        return spec.format(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def fmt_ratio(r: Any) -> str:
+    return "–" if r is None else f"**{r:.2f}×**"
+
+
+def fmt_met(t: dict | None) -> str:
+    """✅ / ❌ for a {"met": bool} target record, "–" when there is none."""
+    if not t or t.get("met") is None:
+        return "–"
+    return "✅" if t["met"] else "❌"
+
+
 def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
     if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
         return None

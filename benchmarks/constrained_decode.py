@@ -318,23 +318,7 @@ def targets(doc: dict) -> dict:
 # =============================================================================================
 # the README section
 # =============================================================================================
-def _f(x: Any, fmt: str = "{:.1f}") -> str:
-    if x is None:
-        return "–"
-    try:
-        return fmt.format(x)
-    except (TypeError, ValueError):
-        return str(x)
-
-
-def _x(r: Any) -> str:
-    return "–" if r is None else f"**{r:.2f}×**"
-
-
-def _met(t: dict | None) -> str:
-    if not t or t.get("met") is None:
-        return "–"
-    return "✅" if t["met"] else "❌"
+_f, _x, _met = C.fmt, C.fmt_ratio, C.fmt_met     # README cells (benchmarks/common.py)
 
 
 def _rows(tp: dict | None) -> str:

@@ -15,9 +15,8 @@ from jax_engine.api import tool_constraint
 from jax_engine.constrain import compiler as compiler_mod
 from jax_engine.constrain import grammar as grammar_mod
 from jax_engine.errors import InvalidRequest
-from jax_engine.models.demo import build_demo_generator, llama_config
 from jax_engine.types import Constraint, FunctionTool
-from tests.helpers.engines import TINY, make_engine, run
+from tests.helpers.engines import build_tiny_decoder, make_engine, run
 
 SEEDS = range(50)
 
@@ -43,9 +42,7 @@ EBNF_AS_REGEX = r"\[(?:[0-9]|[1-9][0-9])(?:,(?:[0-9]|[1-9][0-9])){0,2}\]"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("demo"))
-    build_demo_generator(path, config=llama_config(**TINY, bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    return path
+    return build_tiny_decoder(str(tmp_path_factory.mktemp("demo")))
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,13 @@ import pytest
 
 from jax_engine.decode.rows import SamplingRow
 from jax_engine.errors import InvalidRequest, Overloaded
-from jax_engine.models.demo import build_demo_generator, llama_config
 from jax_engine.types import EmbedRequest, GenerateRequest, SamplingParams
-from tests.helpers.engines import PS, TINY, make_engine, run
+from tests.helpers.engines import PS, build_tiny_decoder, make_engine, run
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("demo"))
-    build_demo_generator(path, config=llama_config(**TINY, bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    return path
+    return build_tiny_decoder(str(tmp_path_factory.mktemp("demo")))
 
 
 @pytest.fixture(scope="module")

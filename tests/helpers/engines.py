@@ -94,3 +94,11 @@ async def run(engine: Engine, prompt, **params) -> dict:
         if o.finished:
             r["final"] = o
     return res
+
+
+def build_tiny_decoder(path: str) -> str:
+    """The TINY demo-architecture decoder (random weights, the demo tokenizer) at `path`."""
+    from jax_engine.models.demo import build_demo_generator, llama_config
+
+    build_demo_generator(path, config=llama_config(**TINY, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    return path
