@@ -383,8 +383,10 @@ class EmbedWorker:
             raise InvalidRequest(f"pairs need a cross-encoder; model {self.spec.name!r} is an embedding model")
         if req.dimensions is not None and req.dimensions != self.cfg.output_dim \
                 and req.dimensions not in self.matryoshka_dims:
+            dims = self.matryoshka_dims
+            sizes = "none" if not dims else f"1..{dims[-1]}" if dims == list(range(1, dims[-1] + 1)) else str(dims)
             raise InvalidRequest(f"dimensions: model {self.spec.name!r} cannot produce {req.dimensions}-dimensional "
-                                 f"vectors (sizes: {self.matryoshka_dims or 'none'} besides {self.cfg.output_dim})")
+                                 f"vectors (sizes: {sizes} besides {self.cfg.output_dim})")
         if field_name == "token_ids":
             return self._check_token_ids(inputs, req.token_type_ids)
         return self._encode_texts(field_name, inputs, req.truncate)
