@@ -31,7 +31,7 @@ def check_reasoning_parser(name: Optional[str]) -> Optional[str]:
     return name
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest proper prefix of `tag` that `text` ends with."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -69,7 +69,7 @@ class ReasoningSplitter:
             reasoning, content = self._buf[:idx], self._buf[idx + len(THINK_END):]
             self._buf, self._thinking, self._lead = "", False, True
             return reasoning, self._content(content)
-        hold = _partial_suffix(self._buf, THINK_END)
+        hold = partial_suffix(self._buf, THINK_END)
         ready, self._buf = self._buf[:len(self._buf) - hold], self._buf[len(self._buf) - hold:]
         return ready, ""
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from frontends.http.openai_schema import field_error
-from frontends.http.reasoning import ReasoningSplitter
+from frontends.http.reasoning import ReasoningSplitter, partial_suffix
 from jax_engine.api import tool_constraint
 from jax_engine.errors import InvalidRequest
 from jax_engine.types import Constraint, FunctionTool
@@ -246,13 +246,6 @@ def _calls_from_json(text: str, *, list_ok: bool, separator: Optional[str] = Non
     return calls or None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 class _Hermes:
     START, END = "<tool_call>", "</tool_call>"
 
@@ -281,7 +274,7 @@ class _Hermes:
             if not self.inside:
                 idx = self.buf.find(self.START)
                 if idx < 0:
-                    hold = _partial_suffix(self.buf, self.START)
+                    hold = partial_suffix(self.buf, self.START)
                     self._content(self.buf[:len(self.buf) - hold], out)
                     self.buf = self.buf[len(self.buf) - hold:]
                     return out
@@ -339,7 +332,7 @@ class _WholeAnswer:
         if idx >= 0:
             out, self.buf, self.holding = self.buf[:idx], self.buf[idx:], True
             return [("content", out.rstrip())] if out.strip() else []
-        hold = _partial_suffix(self.buf, tag)
+        hold = partial_suffix(self.buf, tag)
         out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
         return [("content", out)] if out else []
 
