@@ -167,6 +167,19 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
              "class at first start, keeps the faster; cached), xla, kernel, blas (numpy's OpenBLAS, float32; "
              "refused where they cannot run)")
 
+    lo = p.add_argument_group("LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors)")
+    lo.add_argument("--lora", action="append", metavar="NAME=PATH", default=None,
+                    help="serve the PEFT adapter folder at PATH as NAME on the default generation model "
+                         "(repeatable; implies --enable-lora). Requests name it: OpenAI model=NAME, SGLang "
+                         f"lora_id, AllSpark lora_name [env {_env_name('--lora')}, comma-separated]")
+    lo.add_argument("--enable-lora", action="store_true", default=_env_bool("--enable-lora", d["enable_lora"]),
+                    help="allocate LoRA adapter slots, so adapters can be loaded at run time (admin routes, "
+                         f"AllSpark lora_names) [env {_env_name('--enable-lora')}]")
+    opt(lo, "--max-loras", type=_positive, default=d["max_loras"],
+        help="adapter slots per generation model (adapters loaded at once)")
+    opt(lo, "--max-lora-rank", type=_positive, default=d["max_lora_rank"],
+        help="largest adapter rank; every slot is padded to it, higher ranks are refused")
+
     lim = p.add_argument_group("request limits")
     opt(lim, "--max-prompt-tokens", type=_positive, default=None, help="prompt token limit (default: the context)")
     opt(lim, "--max-new-tokens-limit", type=_positive, default=d["max_new_tokens_limit"], help="max_tokens cap")
@@ -248,8 +261,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--num-processes > 1 needs --coordinator-address HOST:PORT")
     if ns.process_id >= ns.num_processes:
         p.error(f"--process-id must be below --num-processes ({ns.num_processes})")
+    ns.lora = ns.lora if ns.lora is not None else (_env_list("--lora") or [])
     try:
         ns.model_specs = _model_specs(ns)
+        ns.loras = _lora_adapters(ns)
     except ValueError as e:
         p.error(str(e))
     return ns
@@ -302,6 +317,29 @@ def _model_specs(ns: argparse.Namespace) -> list:
     return specs
 
 
+def _lora_adapters(ns: argparse.Namespace) -> list[tuple[str, str]]:
+    """--lora NAME=PATH items as (name, path): unique names that are not model names, PEFT folders."""
+    models = {spec.name for spec in ns.model_specs}
+    out: list[tuple[str, str]] = []
+    for item in ns.lora:
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), os.path.expanduser(path.strip())
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {item!r}: expected NAME=PATH (an adapter name, then its PEFT folder)")
+        if name in models:
+            raise ValueError(f"--lora {item!r}: {name!r} is already a model name")
+        if any(name == seen for seen, _ in out):
+            raise ValueError(f"--lora: the name {name!r} is used twice")
+        if not os.path.isdir(path):
+            raise ValueError(f"--lora {item!r}: {path!r} is not a directory")
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ValueError(f"--lora {item!r}: {path!r} has no adapter_config.json (not a PEFT adapter folder)")
+        out.append((name, path))
+    if len(out) > ns.max_loras:
+        raise ValueError(f"--lora: {len(out)} adapters do not fit in --max-loras {ns.max_loras} slots")
+    return out
+
+
 def engine_args(ns: argparse.Namespace):
     from jax_engine.config import EngineArgs
 
@@ -318,6 +356,8 @@ def engine_args(ns: argparse.Namespace):
         grammar_cache_size=ns.grammar_cache_size,
         max_embed_inputs=ns.max_embed_inputs, embed_max_batch_tokens=ns.embed_max_batch_tokens,
         model_root=ns.model_root,
+        enable_lora=ns.enable_lora or bool(ns.loras), loras=list(ns.loras), max_loras=ns.max_loras,
+        max_lora_rank=ns.max_lora_rank,
     )
 
 
@@ -414,6 +454,8 @@ async def serve(ns: argparse.Namespace, channel: Optional["StepChannel"] = None)
 
     for spec in ns.model_specs:
         log.info("will serve %s from %s%s", spec.name, spec.path, " (RANDOM weights)" if is_random_weights(spec) else "")
+    for name, path in ns.loras:
+        log.info("will serve LoRA adapter %s from %s on the default generation model", name, path)
     engine = Engine(engine_args(ns), channel=channel)
     log.info("JAX compilation cache: %s", engine.compile_cache_dir)
     metrics = ServerMetrics(engine)

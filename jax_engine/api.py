@@ -16,6 +16,7 @@ from jax_engine.config import EngineArgs, ModelSpec
 from jax_engine.constrain.tools import tool_constraint
 from jax_engine.types import (
     TOKENIZE_INLINE_CHARS,
+    AdapterInfo,
     EmbedOutput,
     EmbedRequest,
     GenerateOutput,
@@ -95,6 +96,23 @@ class EngineAPI(Protocol):
     def tokenizer(self, name: Optional[str] = None, task: Optional[str] = None) -> Tokenizer: ...
 
     def stats(self, name: Optional[str] = None) -> ModelStats: ...
+
+    # ------------------------------------------------------------ LoRA adapters (names are engine-wide)
+    def adapters(self, model: Optional[str] = None) -> list[AdapterInfo]:
+        """Loaded adapters (all, or those of one base model), including ones still unloading."""
+        ...
+
+    async def load_adapter(self, name: str, path: str, model: Optional[str] = None) -> AdapterInfo:
+        """Load a PEFT adapter folder onto `model` (default: the default generation model) at run
+        time; `path` comes from the network, so it must lie under --model-root (PermissionDenied).
+        InvalidRequest: LoRA not enabled, a malformed or unsupported adapter, rank above
+        --max-lora-rank; AlreadyExists: the name is taken; Overloaded: every slot is in use."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop admitting requests for adapter `name` (NotFound if unknown); its slot is freed
+        once the requests already using it finish."""
+        ...
 
     # ------------------------------------------------------------ requests
     def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:

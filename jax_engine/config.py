@@ -66,6 +66,11 @@ class EngineArgs:
     max_embed_inputs: int = 256               # prompts per Encode / embeddings request
     embed_max_batch_tokens: int = 8192        # TEI-style token budget per encoder batch
     model_root: Optional[str] = None          # network-supplied paths must lie under this
+    # LoRA (jax_engine/lora): adapter slots in device arrays, padded to the maximum rank
+    enable_lora: bool = False                 # allocate the slots (implied by `loras`)
+    loras: list[tuple[str, str]] = field(default_factory=list)   # (name, path) loaded into the default generator
+    max_loras: int = 8                        # adapter slots per generation model
+    max_lora_rank: int = 64                   # adapters of a higher rank are refused
 
 
 CPU_TOKEN_BUDGET = 64

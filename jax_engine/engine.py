@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
 
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import (
+    AlreadyExists,
     EngineError,
     InvalidRequest,
     NotFound,
@@ -25,6 +26,7 @@ from jax_engine.errors import (
 )
 from jax_engine.types import (
     TOKENIZE_INLINE_CHARS,
+    AdapterInfo,
     Constraint,
     EmbedOutput,
     EmbedRequest,
@@ -81,6 +83,7 @@ class Engine:
         self.channel = channel
         self._workers: dict[str, "Worker"] = {}
         self._lock = threading.Lock()
+        self._adapter_lock = threading.Lock()
         self._draining = False
         self._loaded = False
         self.counters = Counters()
@@ -102,6 +105,8 @@ class Engine:
         for spec in self.args.models:
             self.load_model_sync(spec, progress=progress, warmup=warmup)
             self.start_model_sync(spec.name)
+        for name, path in self.args.loras:       # --lora NAME=PATH: onto the default generation model
+            self.load_adapter_sync(name, path)
         self._loaded = True
 
     def load_model_sync(self, spec: ModelSpec, progress: bool = True, warmup: bool = True) -> ModelInfo:
@@ -200,6 +205,40 @@ class Engine:
 
     def stats(self, name: Optional[str] = None) -> ModelStats:
         return self._resolve(name, None).stats()
+
+    # ---------------------------------------------------------------- LoRA adapters
+    def adapters(self, model: Optional[str] = None) -> list[AdapterInfo]:
+        workers = [self._worker(model)] if model else list(self._workers.values())
+        return [a for w in workers if w.info.task == "generate" for a in w.adapters()]
+
+    def load_adapter_sync(self, name: str, path: str, model: Optional[str] = None) -> AdapterInfo:
+        """Load a PEFT adapter onto `model` (default: the default generation model); any local path."""
+        target = model or self.default_model("generate")
+        if target is None:
+            raise NotFound("no generation model is served to load a LoRA adapter onto")
+        worker = self._worker(target)
+        if worker.info.task != "generate":
+            raise InvalidRequest(f"model {target!r} is an {worker.info.task} model; LoRA adapters apply to generation models")
+        with self._adapter_lock:    # names are engine-wide: one adapter name, one base model
+            if name in self._workers:
+                raise InvalidRequest(f"lora_name {name!r} is the name of a served model")
+            if any(a.name == name for a in self.adapters()):
+                raise AlreadyExists(f"LoRA adapter {name!r} is already loaded")
+            return worker.load_adapter(name, path)
+
+    async def load_adapter(self, name: str, path: str, model: Optional[str] = None) -> AdapterInfo:
+        """Network-supplied adapter path: must lie under --model-root."""
+        if self.args.model_root is None:
+            raise PermissionDenied("loading LoRA adapters over the network needs --model-root")
+        _check_under_root(path, self.args.model_root, "lora_path")
+        return await asyncio.get_running_loop().run_in_executor(None, self.load_adapter_sync, name, path, model)
+
+    async def unload_adapter(self, name: str) -> None:
+        for w in list(self._workers.values()):
+            if w.info.task == "generate" and any(a.name == name for a in w.adapters()):
+                w.unload_adapter(name)
+                return
+        raise NotFound(f"LoRA adapter {name!r} is not loaded")
 
     def worker(self, name: str) -> "Worker":
         """The worker serving model `name` (NotFound if none)."""
@@ -393,11 +432,11 @@ def _task_matches(model_task: str, wanted: str) -> bool:
     return model_task == wanted
 
 
-def _check_under_root(path: str, root: str) -> None:
+def _check_under_root(path: str, root: str, what: str = "model path") -> None:
     real = os.path.realpath(path)
     real_root = os.path.realpath(root)
     if os.path.commonpath([real, real_root]) != real_root:
-        raise PermissionDenied(f"model path {path!r} is outside --model-root")
+        raise PermissionDenied(f"{what} {path!r} is outside --model-root")
 
 
 def _make_worker(spec: ResolvedSpec, args: EngineArgs, channel: Optional["StepChannel"]) -> "Worker":

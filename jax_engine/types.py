@@ -80,6 +80,7 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     model: Optional[str] = None             # None / "" = the default generation model
     priority: int = 0                       # lower is served earlier (vLLM rule)
+    adapter: Optional[str] = None           # a loaded LoRA adapter's name; None / "" = the base model
 
 
 @dataclass
@@ -166,6 +167,20 @@ class ModelInfo:
 
 
 @dataclass
+class AdapterInfo:
+    """A LoRA adapter (PEFT format) served on top of a generation model."""
+
+    name: str
+    model: str                  # the base model it applies to
+    path: str
+    rank: int
+    alpha: float
+    target_modules: list[str] = field(default_factory=list)   # HF module names (q_proj, ..., down_proj)
+    state: str = "loaded"       # loaded | unloading (finishing its requests; refuses new ones)
+    in_flight: int = 0          # requests using it now
+
+
+@dataclass
 class MatmulRoute:
     """Which path serves one decoder matrix for a range of rows (--cpu-matmul; see
     jax_engine/kernels/choose.py): path "kernel" or "xla"; weight "all" when one path was forced."""
@@ -194,5 +209,7 @@ class ModelStats:
     max_num_batched_tokens: int = 0      # the ragged step's token budget (per replica)
     grammar_queue: int = 0               # requests waiting for their grammar to compile
     preemptions: int = 0
+    lora_slots_used: int = 0             # LoRA adapter slots holding an adapter (per replica: the same)
+    lora_slots_total: int = 0            # --max-loras when LoRA is enabled, else 0
     matmul_routes: list[MatmulRoute] = field(default_factory=list)
     replicas: list["ModelStats"] = field(default_factory=list)

@@ -17,7 +17,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from frontends.common.errors import code_name
 from jax_engine.api import EngineAPI, EngineArgs, ModelSpec, RequestCounters, Tokenizer
-from jax_engine.types import EmbedOutput, EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, ModelStats
+from jax_engine.types import (
+    AdapterInfo,
+    EmbedOutput,
+    EmbedRequest,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+    ModelStats,
+)
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -133,6 +141,15 @@ class InstrumentedEngine:
     def stats(self, name: Optional[str] = None) -> ModelStats:
         return self._engine.stats(name)
 
+    def adapters(self, model: Optional[str] = None) -> list[AdapterInfo]:
+        return self._engine.adapters(model)
+
+    async def load_adapter(self, name: str, path: str, model: Optional[str] = None) -> AdapterInfo:
+        return await self._engine.load_adapter(name, path, model)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._engine.unload_adapter(name)
+
     async def embed(self, req: EmbedRequest) -> EmbedOutput:
         return await self._engine.embed(req)
 
@@ -231,6 +248,8 @@ class _EngineCollector:
             "kv_pages_used": ("KV-cache pages in use", "pages_used"),
             "kv_pages_total": ("KV-cache pages in the pool", "pages_total"),
             "grammar_queue": ("Requests waiting for their grammar (structured output) to compile", "grammar_queue"),
+            "lora_slots_used": ("LoRA adapter slots holding an adapter", "lora_slots_used"),
+            "lora_slots_total": ("LoRA adapter slots (--max-loras; 0 without LoRA)", "lora_slots_total"),
         }
         counters = {
             "prompt_tokens": ("Prompt tokens processed", "total_prompt_tokens"),

@@ -21,7 +21,7 @@ from typing import Any, AsyncGenerator, Awaitable, Callable, Optional
 import numpy as np
 
 from frontends.common.access import ALLSPARK_ADMIN_METHODS, ALLSPARK_SERVICE
-from frontends.common.errors import as_status
+from frontends.common.errors import as_status, error_message
 from frontends.common.version import GIT_SHA, version_string
 from frontends.grpc.gen.allspark import allspark_service_pb2 as pb
 from frontends.grpc.gen.allspark import allspark_service_pb2_grpc as pb_grpc
@@ -40,6 +40,9 @@ EXCEED_LIMIT = pb.ALLSPARK_EXCEED_LIMIT_ERROR
 INVALID_CALL = pb.ALLSPARK_INVALID_CALL_ERROR
 ILLEGAL_ID = pb.ALLSPARK_ILLEGAL_REQUEST_ID
 DENIED = pb.ALLSPARK_REQUEST_DENIED
+# ALLSPARK_LORA_NOT_LOADED: a commented-out (retired) line of the proto enum, so sent as the raw
+# number (proto3 enums are open); upstream's engine sends 23 (ALLSPARK_LORA_NOT_FOUND) instead.
+LORA_NOT_LOADED = getattr(pb, "ALLSPARK_LORA_NOT_LOADED", 13)
 STOP_WAIT_S = 30.0
 
 
@@ -96,13 +99,26 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
 
     # ------------------------------------------------------------ model life cycle (admin)
     async def BuildModelFromConfigStruct(self, request: pb.ModelStructConfig, context: Any) -> pb.AsStatus:
+        """Builds the model, then attaches `lora_names` (see `_attach_adapters`); a failure there
+        releases the model again, so the build succeeds or fails as a whole. The reason of a
+        failure travels in the `allspark-error` trailer."""
         try:
             spec = model_spec_from_proto(request)
+            lora_names = lora_names_from_proto(request, self.engine.args)
             await self.engine.load_model(spec)
-        except NotFound:  # the model folder does not exist
-            return pb.AsStatus(as_status=pb.ALLSPARK_IO_ERROR)
+        except NotFound as e:  # the model folder does not exist
+            return _status(context, pb.ALLSPARK_IO_ERROR, e.message)
         except Exception as e:
-            return pb.AsStatus(as_status=as_status(e))
+            return _status(context, as_status(e), error_message(e))
+        if lora_names:
+            try:
+                await self._attach_adapters(spec.name, lora_names)
+            except Exception as e:
+                try:
+                    await self.engine.release_model(spec.name)
+                except Exception:
+                    log.warning("could not release model %s after its adapters failed", spec.name, exc_info=True)
+                return _status(context, PARAM_ERROR, f"lora_names: {error_message(e)}")
         return pb.AsStatus(as_status=SUCCESS)
 
     async def ReloadModelToDeviceMemory(self, request: pb.ModelName, context: Any) -> pb.AsStatus:
@@ -228,7 +244,10 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
             self.requests.pop(uid, None)
             err = refused[0]
             message = err.message if isinstance(err, EngineError) else f"internal error: {type(err).__name__}"
-            return _refusal(context, uid, as_status(err), _constraint_message(message, req))
+            status = as_status(err)
+            if req.adapter and isinstance(err, NotFound):  # unloaded since _prepare looked
+                status, message = LORA_NOT_LOADED, f"config.lora_name {req.adapter!r}: {message}"
+            return _refusal(context, uid, status, _constraint_message(message, req))
         return pb.StartRequestResponse(as_status=SUCCESS, uuid=uid)
 
     async def StopRequest(self, request: pb.StopRequestRequest, context: Any) -> pb.StartRequestResponse:
@@ -277,6 +296,45 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
         return _take(self.requests.get(request.uuid))
 
     # ------------------------------------------------------------ helpers
+    async def _attach_adapters(self, model: str, names: list[str]) -> None:
+        """Each name must be an adapter already loaded onto `model`, or a PEFT folder of that name
+        directly under --model-root, which is loaded onto `model`. On a failure the adapters
+        loaded here are unloaded again."""
+        loaded_here: list[str] = []
+        try:
+            for name in names:
+                existing = next((a for a in self.engine.adapters() if a.name == name), None)
+                if existing is not None:
+                    if existing.model != model:
+                        raise InvalidRequest(f"adapter {name!r} is loaded on model {existing.model!r}, not {model!r}")
+                    continue
+                root = self.engine.args.model_root
+                if root is None:
+                    raise InvalidRequest(f"adapter {name!r} is not loaded, and loading one needs --model-root")
+                path = os.path.join(root, name)
+                if not os.path.isdir(path):
+                    raise InvalidRequest(f"adapter {name!r} is not loaded and is not a folder under --model-root")
+                await self.engine.load_adapter(name, path, model=model)
+                loaded_here.append(name)
+        except Exception:
+            for name in loaded_here:
+                try:
+                    await self.engine.unload_adapter(name)
+                except Exception:
+                    log.warning("could not unload adapter %s after a failed build", name, exc_info=True)
+            raise
+
+    def _adapter(self, name: str, info: ModelInfo) -> Optional[str]:
+        """config.lora_name: None, or an adapter loaded on `info`'s model (else LORA_NOT_LOADED)."""
+        if not name:
+            return None
+        adapter = next((a for a in self.engine.adapters(info.name) if a.name == name), None)
+        if adapter is None:
+            raise _Refused(LORA_NOT_LOADED, f"config.lora_name {name!r} is not loaded on model {info.name!r}")
+        if adapter.state != "loaded":
+            raise _Refused(LORA_NOT_LOADED, f"config.lora_name {name!r} is being unloaded")
+        return name
+
     def _known(self, name: str) -> bool:
         return self._info(name) is not None
 
@@ -294,8 +352,9 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
             raise _Refused(PARAM_ERROR, "mm_type: only TextInput is supported")
         ids = input_ids_from_proto(request.inputs, info)
         params, stop_words = sampling_from_config(request.config, len(ids), info)
+        adapter = self._adapter(request.config.lora_name, info)
         st = _Request(uuid=uid, model=info.name, engine_id=f"allspark:{uid}", stop_words=stop_words)
-        req = GenerateRequest(request_id=st.engine_id, prompt_ids=ids, params=params, model=info.name)
+        req = GenerateRequest(request_id=st.engine_id, prompt_ids=ids, params=params, model=info.name, adapter=adapter)
         return st, req
 
     def _generation_model(self, name: str) -> ModelInfo:
@@ -360,8 +419,9 @@ class AllSparkServicer(pb_grpc.AllSparkServicer):
 def model_spec_from_proto(c: pb.ModelStructConfig) -> ModelSpec:
     """ModelStructConfig -> ModelSpec. Fields with no meaning here are ignored on purpose:
     weights_path (an HF folder holds its weights), compute_unit / num_threads / swap_threshold /
-    text_graph / cache_mode / prefill_mode (placement and kernels are JAX's), is_lora_cfg
-    (ignored upstream too), cache_span_num_init / _grow (the page pool is sized from memory).
+    text_graph / cache_mode / prefill_mode (placement and kernels are JAX's),
+    cache_span_num_init / _grow (the page pool is sized from memory). is_lora_cfg and
+    lora_names: `lora_names_from_proto`.
     matmul_precision is validated and advisory: float32 matmuls already run at "highest" and the
     engine's dtype decides the rest (JAX precision is process-global, not per model)."""
     if not c.model_name:
@@ -370,8 +430,6 @@ def model_spec_from_proto(c: pb.ModelStructConfig) -> ModelSpec:
         raise InvalidRequest("model_path is required (an HF model folder under --model-root)")
     if c.matmul_precision.lower() not in MATMUL_PRECISIONS:
         raise InvalidRequest(f"matmul_precision must be one of highest, high, medium; got {c.matmul_precision!r}")
-    if c.lora_names.names:
-        raise InvalidRequest("lora_names: LoRA adapters are not supported")
     for name in ("engine_max_length", "engine_max_batch", "cache_span_size", "prefix_cache_ttl"):
         if getattr(c, name) < 0:
             raise InvalidRequest(f"{name} must be >= 0, got {getattr(c, name)}")
@@ -384,6 +442,31 @@ def model_spec_from_proto(c: pb.ModelStructConfig) -> ModelSpec:
         enable_prefix_cache=c.enable_prefix_cache,
         prefix_cache_ttl_s=float(c.prefix_cache_ttl),
     )
+
+
+def lora_names_from_proto(c: pb.ModelStructConfig, args: Any) -> list[str]:
+    """The adapters to attach after the build (`lora_names`), checked before anything is built.
+    `is_lora_cfg` (ignored upstream) and `lora_names` both need LoRA enabled on this server; a
+    name is an adapter name, which is also a folder name directly under --model-root."""
+    enabled = args.enable_lora or bool(args.loras)
+    if c.is_lora_cfg and not enabled:
+        raise InvalidRequest("is_lora_cfg: LoRA is not enabled on this server; start it with --enable-lora "
+                             "(or --lora NAME=PATH)")
+    names = list(c.lora_names.names)
+    if not names:
+        return []
+    if not enabled:
+        raise InvalidRequest("lora_names: LoRA is not enabled on this server; start it with --enable-lora "
+                             "(or --lora NAME=PATH)")
+    for name in names:
+        if not name or name in (".", "..") or any(ch in name for ch in "/\\\0"):
+            raise InvalidRequest(f"lora_names: {name!r} is not an adapter name (a folder name directly under "
+                                 "--model-root)")
+    if len(set(names)) != len(names):
+        raise InvalidRequest("lora_names: a name appears twice")
+    if len(names) > args.max_loras:
+        raise InvalidRequest(f"lora_names: {len(names)} adapters do not fit in --max-loras {args.max_loras} slots")
+    return names
 
 
 def input_ids_from_proto(inputs: pb.TensorMap, info: ModelInfo) -> list[int]:
@@ -420,7 +503,8 @@ def sampling_from_config(c: pb.GenerateConfig, prompt_len: int,
 
     Honoured: do_sample, temperature, top_k, top_p, repetition_penalty, presence_penalty,
     min_length, max_length, early_stopping + eos_token_id, stop_words_ids, seed (all 64 bits),
-    response_format (JSON mode, see `constraint_from_response_format`).
+    response_format (JSON mode, see `constraint_from_response_format`); lora_name is read by
+    `AllSparkServicer._adapter` (a loaded adapter, else LORA_NOT_LOADED).
     Refused when set (PARAM_ERROR, the reason in the `allspark-error` trailer): the fields in
     `_unsupported`. Accepted without effect, as upstream: length_penalty (beam search only, and
     num_beams > 1 is refused), input_len (deprecated, filled internally), async /
@@ -519,7 +603,6 @@ def _unsupported(c: pb.GenerateConfig) -> tuple[tuple[str, bool], ...]:
         ("num_return_sequences", c.num_return_sequences > 1),
         ("no_repeat_ngram_size", c.no_repeat_ngram_size > 0),
         ("bad_words_ids", any(len(a.word) for a in c.bad_words_ids.ids)),
-        ("lora_name", bool(c.lora_name)),
         ("suppress_repetition_in_generation", c.suppress_repetition_in_generation),
         # per-row arrays of a batched call: one request here has one top_k / top_p / seed
         ("top_k_arr", len(c.top_k_arr) > 0),
@@ -530,6 +613,13 @@ def _unsupported(c: pb.GenerateConfig) -> tuple[tuple[str, bool], ...]:
 
 
 ERROR_TRAILER = "allspark-error"
+
+
+def _status(context: Any, status: int, message: str) -> pb.AsStatus:
+    """A failed life-cycle call: the status in-band, the reason in the `allspark-error` trailer."""
+    log.info("AllSpark call refused (as_status %d): %s", status, message)
+    context.set_trailing_metadata(((ERROR_TRAILER, _ascii_line(message)),))
+    return pb.AsStatus(as_status=status)
 
 
 def _refusal(context: Any, uid: str, status: int, message: str) -> pb.StartRequestResponse:

@@ -95,6 +95,7 @@ class ArcticServicer(pb_grpc.InferenceServiceServicer):
     async def GetReplicaInfo(self, request: pb.ReplicaInfoRequest, context: Any) -> pb.ReplicaInfoResponse:
         """One entry per replica the engine really runs of each embedding model."""
         args = self.engine.args
+        lora_config = _lora_config(self.engine)
         infos = []
         for m in self.engine.models():
             if m.task != "embed":
@@ -110,7 +111,7 @@ class ArcticServicer(pb_grpc.InferenceServiceServicer):
                     scheduler_config=(f"max_num_inputs={args.max_embed_inputs} "
                                       f"max_batch_tokens={args.embed_max_batch_tokens} "
                                       f"max_model_len={m.max_model_len}"),
-                    lora_config="None",
+                    lora_config=lora_config,
                 ))
         healthy = sum(1 for i in infos if i.ready) if self.engine.healthy() else 0
         message = "" if infos else "no embedding model is served"
@@ -121,6 +122,16 @@ class ArcticServicer(pb_grpc.InferenceServiceServicer):
         if self.engine.ready():
             return pb.HealthCheckResponse(healthy=True, message="")
         return pb.HealthCheckResponse(healthy=False, message=f"Service is unhealthy: {_why_not_ready(self.engine)}")
+
+
+def _lora_config(engine: EngineAPI) -> str:
+    """Like str() of vLLM's LoRAConfig: "None" without LoRA, else the server's slots, maximum rank
+    and loaded adapters (LoRA serves generation models; Encode carries no adapter field)."""
+    args = engine.args
+    if not (args.enable_lora or args.loras):
+        return "None"
+    names = ", ".join(a.name for a in engine.adapters())
+    return f"LoRAConfig(max_loras={args.max_loras}, max_lora_rank={args.max_lora_rank}, adapters=[{names}])"
 
 
 def _decode_ids(i: int, data: bytes, vocab_size: int) -> list[int]:

@@ -4,6 +4,8 @@ Contract: protos/ (sglang) and tests/frontends/test_grpc_sglang.py. Errors trave
 `GenerateError` (both seed-era and newer routers understand a status). Zero values of an
 explicit `sampling_params` are read the way SGLang reads them; an absent message means the
 engine's semantic defaults. Request fields we cannot honour are refused by name, never dropped.
+`lora_id` names a loaded LoRA adapter (engine-wide names): the request runs on the model that
+adapter is loaded on; an unknown one is NOT_FOUND. `GetLoads` reports the adapter slots in `lora`.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class SglangServicer(pb_grpc.SglangSchedulerServicer):
     # ------------------------------------------------------------------ Generate
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            info = self.engine.model_info(None, "generate")
+            info = self._generation_model(request.lora_id)
             req, interval = build_generate_request(request, info)
         except EngineError as e:
             await abort_with(context, e)
@@ -215,7 +217,9 @@ class SglangServicer(pb_grpc.SglangSchedulerServicer):
             await abort_with(context, e)
             return pb.GetLoadsResponse()
         ranks = stats.replicas or [stats]
-        loads = [_scheduler_load(r, s, info, sections) for r, s in enumerate(ranks)]
+        # LoRA slots are the same on every replica (each holds every adapter): the model's numbers
+        lora = _lora_metrics(stats) if "lora" in sections else None
+        loads = [_scheduler_load(r, s, info, sections, lora) for r, s in enumerate(ranks)]
         if request.HasField("dp_rank"):
             loads = [ld for ld in loads if ld.dp_rank == request.dp_rank]
         resp = pb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
@@ -232,6 +236,18 @@ class SglangServicer(pb_grpc.SglangSchedulerServicer):
         return resp
 
     # ------------------------------------------------------------------ helpers
+    def _generation_model(self, lora_id: str) -> ModelInfo:
+        """The default generator; with `lora_id`, the base model that adapter is loaded on
+        (NotFound if no adapter of that name is loaded)."""
+        if not lora_id:
+            return self.engine.model_info(None, "generate")
+        adapter = next((a for a in self.engine.adapters() if a.name == lora_id), None)
+        if adapter is None or adapter.state != "loaded":
+            loaded = ", ".join(sorted(a.name for a in self.engine.adapters() if a.state == "loaded")) or "none"
+            why = "is being unloaded" if adapter is not None else f"is not loaded (loaded: {loaded})"
+            raise NotFound(f"lora_id {lora_id!r}: this LoRA adapter {why}")
+        return self.engine.model_info(adapter.model, "generate")
+
     def _main_model(self) -> ModelInfo:
         """The model this worker presents to the router: the default generator, else any."""
         name = self.engine.default_model("generate") or next((m.name for m in self.engine.models()), None)
@@ -273,7 +289,10 @@ def build_generate_request(request: pb.GenerateRequest, info: ModelInfo) -> tupl
         if request.logprob_start_len >= 0:  # -1 = no input logprobs
             params.prompt_logprobs_start = request.logprob_start_len
     rid = request.request_id or uuid.uuid4().hex
-    return GenerateRequest(request_id=rid, prompt_ids=prompt, params=params), interval
+    # info is the model lora_id's adapter is loaded on (SglangServicer._generation_model)
+    adapter = request.lora_id or None
+    return GenerateRequest(request_id=rid, prompt_ids=prompt, params=params, model=info.name if adapter else None,
+                           adapter=adapter), interval
 
 
 def sampling_from_proto(p: Optional[pb.SamplingParams]) -> tuple[SamplingParams, int]:
@@ -348,7 +367,6 @@ def _refuse_unsupported(request: pb.GenerateRequest) -> None:
     checks = (
         ("mm_inputs", _has_content(request, "mm_inputs")),
         ("input_embeds", len(request.input_embeds) > 0),
-        ("lora_id", bool(request.lora_id)),
         ("custom_logit_processor", bool(request.custom_logit_processor)),
         ("return_hidden_states", request.return_hidden_states),
         ("token_ids_logprob", len(request.token_ids_logprob) > 0),
@@ -486,7 +504,17 @@ def _finish_reason(reason: Optional[str]) -> str:
     return reason if reason in ("length", "abort") else "stop"
 
 
-def _scheduler_load(rank: int, s: Any, info: ModelInfo, sections: set[str]) -> pb.SchedulerLoad:
+def _lora_metrics(stats: Any) -> Optional[pb.LoRAMetrics]:
+    """The `lora` section: adapter slots used / total; unset (not available) without LoRA."""
+    total = stats.lora_slots_total
+    if not total:
+        return None
+    used = stats.lora_slots_used
+    return pb.LoRAMetrics(slots_used=used, slots_total=total, utilization=used / total)
+
+
+def _scheduler_load(rank: int, s: Any, info: ModelInfo, sections: set[str],
+                    lora: Optional[pb.LoRAMetrics] = None) -> pb.SchedulerLoad:
     used = s.pages_used * s.page_size
     total = s.pages_total * s.page_size
     hits, misses = s.prefix_cache_hit_tokens, s.prefix_cache_miss_tokens
@@ -510,7 +538,9 @@ def _scheduler_load(rank: int, s: Any, info: ModelInfo, sections: set[str]) -> p
         load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null"))
     if "queues" in sections:
         load.queues.CopyFrom(pb.QueueMetrics(waiting=s.waiting_requests, grammar=s.grammar_queue))
-    # "spec" and "lora": no speculative decoding or LoRA here, so those sections stay unset.
+    if lora is not None:
+        load.lora.CopyFrom(lora)
+    # "spec": no speculative decoding here, so that section stays unset.
     return load
 
 

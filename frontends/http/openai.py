@@ -1,5 +1,10 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings.
 
+LoRA: `model` may name a loaded adapter (`_resolve_generate`, shared with /v1/responses): the
+request runs on the adapter's base model, with that model's tokenizer and chat template, and the
+answer's `model` is the adapter's name. /v1/models lists adapters with `parent` and `root`, as
+vLLM does; loading and unloading them at run time: lora_admin.py.
+
 The request models (openai_schema.py) are strict: a field we do not implement is refused with a
 400 that names it. Fields OpenAI defines that we only accept at their neutral value (`echo`,
 `suffix`, `best_of`, ...) are declared so the client may send the
@@ -61,7 +66,15 @@ from jax_engine.errors import (
     Unauthenticated,
     Unavailable,
 )
-from jax_engine.types import Constraint, EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, SamplingParams
+from jax_engine.types import (
+    AdapterInfo,
+    Constraint,
+    EmbedRequest,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+    SamplingParams,
+)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -92,6 +105,22 @@ def _resolve(engine: EngineAPI, name: Optional[str], task: str) -> ModelInfo:
     except EngineError as e:
         e.param = "model"  # type: ignore[attr-defined]
         raise
+
+
+def _resolve_generate(engine: EngineAPI, name: Optional[str]) -> tuple[ModelInfo, Optional[str]]:
+    """`model` of a generation request (completions, chat, responses): a served model, or the
+    name of a loaded LoRA adapter, which runs on its base model (that model's tokenizer and chat
+    template). Returns (the model, the adapter or None); unknown names are 404 (param `model`)."""
+    _check_serving(engine)
+    if name and not any(m.name == name for m in engine.models()):
+        adapter = next((a for a in engine.adapters() if a.name == name), None)
+        if adapter is not None:
+            if adapter.state != "loaded":
+                err = NotFound(f"LoRA adapter {name!r} is being unloaded")
+                err.param = "model"  # type: ignore[attr-defined]
+                raise err
+            return _resolve(engine, adapter.model, "generate"), name
+    return _resolve(engine, name, "generate"), None
 
 
 def _set_outcome(request: Request, outcome: str) -> None:
@@ -541,6 +570,8 @@ def _model_card(info: ModelInfo, created: int) -> dict[str, Any]:
         "object": "model",
         "created": created,
         "owned_by": "xlaserve-demo-random-weights" if random else "xlaserve",
+        "root": info.path,
+        "parent": None,            # vLLM's shape: a LoRA adapter names its base model here
         "task": info.task,
         "architecture": info.architecture,
         "max_model_len": info.max_model_len,
@@ -549,19 +580,43 @@ def _model_card(info: ModelInfo, created: int) -> dict[str, Any]:
     }
 
 
+def _adapter_card(adapter: AdapterInfo, base: Optional[ModelInfo], created: int) -> dict[str, Any]:
+    """A loaded LoRA adapter as vLLM lists it: `parent` = its base model, `root` = its folder."""
+    return {
+        "id": adapter.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "xlaserve",
+        "root": adapter.path,
+        "parent": adapter.model,
+        "task": "generate",
+        "architecture": base.architecture if base else "",
+        "max_model_len": base.max_model_len if base else 0,
+        "random_weights": bool(base and base.random_weights),
+        "ready": bool(base and base.ready),
+    }
+
+
+def _cards(engine: EngineAPI) -> list[dict[str, Any]]:
+    """Every model, then every loaded adapter (those being unloaded take no new requests)."""
+    created = int(engine.start_time)
+    infos = engine.models()
+    by_name = {i.name: i for i in infos}
+    cards = [_model_card(i, created) for i in infos]
+    cards += [_adapter_card(a, by_name.get(a.model), created) for a in engine.adapters() if a.state == "loaded"]
+    return cards
+
+
 @router.get("/models", responses=_ERROR_RESPONSES)
 async def list_models(request: Request) -> dict[str, Any]:
-    engine = _engine(request)
-    created = int(engine.start_time)
-    return {"object": "list", "data": [_model_card(i, created) for i in engine.models()]}
+    return {"object": "list", "data": _cards(_engine(request))}
 
 
 @router.get("/models/{model_id:path}", responses=_ERROR_RESPONSES)
 async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
-    engine = _engine(request)
-    for info in engine.models():
-        if info.name == model_id:
-            return _model_card(info, int(engine.start_time))
+    for card in _cards(_engine(request)):
+        if card["id"] == model_id:
+            return card
     err = NotFound(f"model {model_id!r} is not served")
     err.param = "model"  # type: ignore[attr-defined]
     raise err
@@ -571,7 +626,7 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
 async def create_completion(request: Request, body: CompletionRequest) -> Response:
     engine = _engine(request)
     _refuse_unsupported(body)
-    info = _resolve(engine, body.model, "generate")
+    info, adapter = _resolve_generate(engine, body.model)
     prompts: list[Union[str, list[int]]]
     p = body.prompt
     if isinstance(p, str):
@@ -594,17 +649,17 @@ async def create_completion(request: Request, body: CompletionRequest) -> Respon
     params = _sampling_params(engine, body, max_tokens=body.max_tokens, logprobs=body.logprobs is not None,
                               top_logprobs=top_n, top_logprobs_field="logprobs")
     rid = "cmpl-" + uuid.uuid4().hex
-    reqs = [_make_request(rid, i, len(prompts), pr, params, info.name) for i, pr in enumerate(prompts)]
+    reqs = [_make_request(rid, i, len(prompts), pr, params, info.name, adapter) for i, pr in enumerate(prompts)]
     shape = _Shape(chat=False, text_of=_TokenText(engine.tokenizer(info.name, "generate")),
                    logprobs=params.logprobs, top_n=top_n)
-    return await _respond(request, engine, reqs, body, shape, rid=rid, model=info.name)
+    return await _respond(request, engine, reqs, body, shape, rid=rid, model=adapter or info.name)
 
 
 @router.post("/chat/completions", responses=_ERROR_RESPONSES)
 async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
     engine = _engine(request)
     _refuse_unsupported(body)
-    info = _resolve(engine, body.model, "generate")
+    info, adapter = _resolve_generate(engine, body.model)
     tokenizer = engine.tokenizer(info.name, "generate")
     state = request.app.state
     plan = plan_tools(body, getattr(state, "tool_call_parser", None))
@@ -631,9 +686,9 @@ async def create_chat_completion(request: Request, body: ChatCompletionRequest) 
         def output() -> ChatOutput:
             return ChatOutput(plan=plan, reasoning_parser=reasoning, prompt_opened=opened, drop_suffixes=eos)
     rid = "chatcmpl-" + uuid.uuid4().hex
-    reqs = [_make_request(rid, 0, 1, prompt_ids, params, info.name)]
+    reqs = [_make_request(rid, 0, 1, prompt_ids, params, info.name, adapter)]
     shape = _Shape(chat=True, text_of=_TokenText(tokenizer), logprobs=params.logprobs, top_n=top_n, output=output)
-    return await _respond(request, engine, reqs, body, shape, rid=rid, model=info.name)
+    return await _respond(request, engine, reqs, body, shape, rid=rid, model=adapter or info.name)
 
 
 class _Shape:
@@ -890,8 +945,9 @@ async def _shielded_close(gen: _Generation) -> None:
 
 
 def _make_request(rid: str, i: int, count: int, prompt: Union[str, list[int]], params: SamplingParams,
-                  model: str) -> GenerateRequest:
-    req = GenerateRequest(request_id=rid if count == 1 else f"{rid}-{i}", params=replace(params), model=model)
+                  model: str, adapter: Optional[str] = None) -> GenerateRequest:
+    req = GenerateRequest(request_id=rid if count == 1 else f"{rid}-{i}", params=replace(params), model=model,
+                          adapter=adapter)
     if isinstance(prompt, str):
         req.prompt = prompt
     else:

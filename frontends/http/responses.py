@@ -53,7 +53,7 @@ from frontends.http.openai import (
     _make_request,
     _openai_field_error,
     _render_chat,
-    _resolve,
+    _resolve_generate,
     _set_outcome,
     _shielded_close,
     _sse,
@@ -337,16 +337,18 @@ class _Plan:
     """What one validated request asks for, and the fixed fields of its response object."""
 
     def __init__(self, body: ResponsesRequest, info: ModelInfo, params: SamplingParams, *,
-                 tools_echo: list[dict[str, Any]], choice_echo: Any, output: Callable[[], ChatOutput]):
+                 tools_echo: list[dict[str, Any]], choice_echo: Any, output: Callable[[], ChatOutput],
+                 adapter: Optional[str] = None):
         self.rid = "resp_" + _hex()
         self.created = int(time.time())
         self.body, self.info, self.params, self.output = body, info, params, output
+        self.adapter = adapter    # a LoRA adapter named by `model` (info is its base model)
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         text_format: dict[str, Any] = {"type": "text"}
         if fmt is not None:
             text_format = {k: v for k, v in fmt.model_dump(by_alias=True).items() if v is not None}
         self.fixed: dict[str, Any] = {
-            "id": self.rid, "object": "response", "created_at": self.created, "model": info.name,
+            "id": self.rid, "object": "response", "created_at": self.created, "model": adapter or info.name,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "store": False, "background": False,
@@ -470,7 +472,7 @@ class _Items:
 
 async def _plan(request: Request, engine: EngineAPI, body: ResponsesRequest) -> tuple[_Plan, list[int]]:
     _refuse_unsupported(body)
-    info = _resolve(engine, body.model, "generate")
+    info, adapter = _resolve_generate(engine, body.model)
     max_tokens = _max_output_tokens(engine, body)
     messages = _input_messages(body)
     chat_tools, tools_echo = _chat_tools(body)
@@ -505,7 +507,8 @@ async def _plan(request: Request, engine: EngineAPI, body: ResponsesRequest) -> 
     def output() -> ChatOutput:
         return ChatOutput(plan=tools, reasoning_parser=reasoning, prompt_opened=opened, drop_suffixes=eos)
 
-    return _Plan(body, info, params, tools_echo=tools_echo, choice_echo=choice_echo, output=output), prompt_ids
+    return _Plan(body, info, params, tools_echo=tools_echo, choice_echo=choice_echo, output=output,
+                 adapter=adapter), prompt_ids
 
 
 def _input_error(err: InvalidRequest) -> InvalidRequest:
@@ -533,7 +536,7 @@ async def create_response(request: Request, body: ResponsesRequest) -> Response:
     """OpenAI Responses API, stateless (nothing is stored; `previous_response_id` is refused)."""
     engine = _engine(request)
     plan, prompt_ids = await _plan(request, engine, body)
-    req = _make_request(plan.rid, 0, 1, prompt_ids, plan.params, plan.info.name)
+    req = _make_request(plan.rid, 0, 1, prompt_ids, plan.params, plan.info.name, plan.adapter)
     gen = _Generation(engine, [req], 1)
 
     async def start() -> None:

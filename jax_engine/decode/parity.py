@@ -17,8 +17,9 @@ from jax_engine.models import llama
 from jax_engine.models.llama import StepInputs
 
 
-def prompt_logits(runner, prompt: list[int]) -> np.ndarray:
-    """[len(prompt), vocab] float32 logits of `prompt` through `runner`'s params and cache layout."""
+def prompt_logits(runner, prompt: list[int], lora_slot: int = 0) -> np.ndarray:
+    """[len(prompt), vocab] float32 logits of `prompt` through `runner`'s params and cache layout
+    (under the LoRA adapter in 1-based bank slot `lora_slot`; 0 = the base model)."""
     cfg, ps = runner.cfg, runner.rc.page_size
     T = len(prompt)
     P = math.ceil(T / ps)
@@ -30,10 +31,11 @@ def prompt_logits(runner, prompt: list[int]) -> np.ndarray:
                      jnp.array([0, T], jnp.int32), jnp.array([1], jnp.int32))
 
     @jax.jit
-    def f(params, k, v, inp):
-        h, _, _ = llama.forward(params, cfg, k, v, inp, ps)
+    def f(params, k, v, inp, lora):
+        h, _, _ = llama.forward(params, cfg, k, v, inp, ps, lora)
         return llama.lm_head(params, cfg, h)
 
     k = jnp.zeros_like(runner.state["k"])
     v = jnp.zeros_like(runner.state["v"])
-    return np.asarray(f(runner.params, k, v, inp))
+    lora = None if runner.lora is None else (runner.lora, jnp.full(T, lora_slot, jnp.int32))
+    return np.asarray(f(runner.params, k, v, inp, lora))

@@ -39,6 +39,7 @@ class StepRow:
     start: int                          # position of tokens[0]
     pages: list[int]                    # the sequence's page table (covers start + len(tokens))
     samples: list[SampleRow] = field(default_factory=list)   # none for a chunk that does not end a prompt
+    lora_slot: int = 0                  # the LoRA adapter slot its tokens run under (0 = the base model)
 
 
 ROW_TYPES = {t.__name__: t for t in (SamplingRow, SampleRow, StepRow)}   # multihost.decode rebuilds these

@@ -13,6 +13,9 @@ Programs (each compiled ahead of time per bucket at warmup, looked up through Pr
   prompt_logprobs[T]          logprobs of the next prompt token at every position of a chunk
   copy_page                   copy-on-write of a partially filled page for n > 1 forks
   set_slot                    (re)initialise a row of the penalty state
+  lora_write                  (LoRA enabled) write one adapter into a slot of the LoRA bank, so
+                              loading an adapter compiles nothing; the step programs then also
+                              take the bank and each token's slot (jax_engine/lora/bank.py)
 Why the draw is fused although it triples a step program's compile time (demo model, T = 16:
 0.3 s bare, 0.84 s greedy, 2.51 s sampling): as a program of its own after a bare step it cost
 a decode step 1.9 ms greedy ('small' model, 4 rows: 16.1 vs 14.2 ms) and 7.8 ms sampling (16
@@ -46,6 +49,7 @@ from jax_engine.decode import sampling
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.executor import backend
 from jax_engine.executor.compilation import ProgramCache
+from jax_engine.lora import bank as lora_bank
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig, StepInputs
 
@@ -133,6 +137,8 @@ class RunnerConfig:
     top_n: int                  # static top-logprobs width
     min_token_bucket: int = 16
     page_bucket_ratio: int = 2
+    lora_slots: int = 0         # LoRA adapter slots (0 = LoRA disabled: no bank, programs as without it)
+    lora_rank: int = 0          # every slot padded to this rank
 
 
 class StepPublisher(Protocol):
@@ -185,6 +191,8 @@ class ModelRunner:
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else jax.local_devices()[0]
         self.kv_dtype = backend.kv_dtype(dtype)
         self.state = self._new_state()
+        self.lora: Optional[lora_bank.Bank] = (
+            lora_bank.new_bank(cfg, rc.lora_slots, rc.lora_rank, dtype, mesh) if rc.lora_slots > 0 else None)
         self._register()
 
     # ------------------------------------------------------------------ state
@@ -227,11 +235,11 @@ class ModelRunner:
         # Step outputs are replicated over the mesh so any process can read them locally (multihost.py).
         rep = (lambda t: jax.lax.with_sharding_constraint(t, self._replicated)) if self.mesh is not None else (lambda t: t)
 
-        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, mask, *, mode):
-            """The model over the step's tokens (KV written), then per sample row: penalties, bias,
-            bans, the grammar mask, the draw, logprobs and the penalty-count update; also the final
-            hidden states."""
-            h, k, v = llama.forward(params, cfg, state["k"], state["v"], inp, ps)
+        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, mask, lora, *, mode):
+            """The model over the step's tokens (KV written; `lora` = (bank, token slots) or None),
+            then per sample row: penalties, bias, bans, the grammar mask, the draw, logprobs and the
+            penalty-count update; also the final hidden states."""
+            h, k, v = llama.forward(params, cfg, state["k"], state["v"], inp, ps, lora)
             raw = llama.lm_head(params, cfg, h[sample_idx])                  # [R, V] float32
             logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
             logits = sampling.apply_token_mask(logits, mask)
@@ -260,6 +268,10 @@ class ModelRunner:
         self.programs.register("prompt_logprobs", jax.jit(prompt_logprobs))
         self.programs.register("copy_page", jax.jit(copy_page, donate_argnums=(0,)))
         self.programs.register("set_slot", jax.jit(set_slot, donate_argnums=(0,)))
+        if self.lora is not None:
+            shardings = jax.tree.map(lambda x: x.sharding, self.lora)
+            self.programs.register("lora_write", jax.jit(lora_bank.write_slot, donate_argnums=(0,),
+                                                         out_shardings=shardings))
 
     def _put(self, *arrays):
         return jax.device_put(arrays, self._replicated)
@@ -312,6 +324,7 @@ class ModelRunner:
         table = np.zeros((R, Pb), np.int32)
         kv_lens = np.zeros(R, np.int32)
         cu = np.zeros(R + 1, np.int32)
+        lora_slot = np.zeros(T, np.int32)
         sample_idx = np.zeros(R, np.int32)
         slot_ids = np.full(R, self.dummy_slot, np.int32)
         samp: list[Optional[SamplingRow]] = [None] * R
@@ -327,6 +340,7 @@ class ModelRunner:
             slots[t:t + n] = pages[pos // ps] * ps + pos % ps
             row_of[t:t + n] = i
             kv_limit[t:t + n] = pos + 1
+            lora_slot[t:t + n] = r.lora_slot
             table[i, :used] = pages
             kv_lens[i] = end
             for s in r.samples:
@@ -338,7 +352,14 @@ class ModelRunner:
         inp = StepInputs(*self._put(tokens, positions, slots, row_of, kv_limit, table, kv_lens, cu,
                                     np.array([len(rows)], np.int32)))
         sample_idx, slot_ids = self._put(sample_idx, slot_ids)
-        return (T, Pb), (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, R), self._mask_arg(masks, R))
+        if self.lora is None:
+            if lora_slot.any():
+                raise ValueError("a row carries a LoRA slot but LoRA is not enabled")
+            lora = None
+        else:
+            lora = (self.lora, self._put(lora_slot)[0])
+        return (T, Pb), (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, R),
+                         self._mask_arg(masks, R), lora)
 
     @mirrored
     def step(self, rows: list[StepRow], greedy: bool, masks: Optional[np.ndarray] = None) -> StepResult:
@@ -387,6 +408,15 @@ class ModelRunner:
         oi[:min(len(output_ids), L)] = output_ids[:L]
         return (self.state, *self._put(np.int32(slot), pi, oi))
 
+    @mirrored
+    def write_lora_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
+        """Put one adapter's arrays (jax_engine/lora/adapter.py layout) into bank slot `slot` (0-based)."""
+        self.lora = self._run("lora_write", (), self._lora_args(slot, arrays))
+
+    def _lora_args(self, slot: int, arrays: dict[str, np.ndarray]) -> tuple:
+        assert self.lora is not None, "LoRA is not enabled"
+        return (self.lora, self._put(np.int32(slot))[0], lora_bank.host_slot(arrays, self.mesh))
+
     # ------------------------------------------------------------------ warmup
     def all_keys(self) -> list[tuple[str, tuple]]:
         keys = []
@@ -398,6 +428,7 @@ class ModelRunner:
                 if lower < mr * Pb * ps or Pb == self.page_buckets[-1]:
                     keys += [("step_greedy", (T, Pb)), ("step_sample", (T, Pb))]
         keys += [("prompt_logprobs", (T,)) for T in self.lp_buckets]
+        keys += [("lora_write", ())] if self.lora is not None else []
         return keys + [("copy_page", ()), ("set_slot", ())]
 
     def _example(self, prog: str, key: tuple) -> tuple:
@@ -417,6 +448,9 @@ class ModelRunner:
             return self._prompt_lp_args(np.zeros((0, self.cfg.hidden_size), self.dtype), [], key[0])
         if prog == "copy_page":
             return self._copy_args(0, 0)
+        if prog == "lora_write":
+            shapes = lora_bank.array_shapes(self.cfg, self.rc.lora_rank)
+            return self._lora_args(0, {k: np.zeros(s, self.dtype) for k, s in shapes.items()})
         return self._slot_args(self.dummy_slot, [], [])
 
     def warmup(self, progress: bool = True) -> None:

@@ -17,7 +17,8 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Optional
+from concurrent.futures import Future
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -93,6 +94,17 @@ class Scheduler:
     def load(self) -> int:
         return len(self.requests)
 
+    def call_between_steps(self, fn: Callable[[], None]) -> "Future[None]":
+        """Run `fn` on the scheduler thread between two steps (device-state changes such as a LoRA
+        slot write must not race a step that reads the same arrays); directly when not running."""
+        fut: "Future[None]" = Future()
+        if self.thread is None or not self.thread.is_alive():
+            _settle(fut, fn)
+        else:
+            self._control.put(("call", (fn, fut)))
+            self._wake.set()
+        return fut
+
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
         while not self._stop:
@@ -127,6 +139,8 @@ class Scheduler:
                 for f in leader.followers:
                     f.leader = leader
                 self.waiting.append(leader)
+            elif kind == "call":
+                _settle(*arg[::-1])
             elif kind == "abort":
                 req = self.requests.get(arg)
                 if req is not None:
@@ -164,7 +178,7 @@ class Scheduler:
                 return
             target = seq.target_computed
             use_cache = seq.req.params.prompt_logprobs_start is None
-            hashes = chain_hashes(seq.tokens[: max(0, target - 1)], ps) if use_cache else []
+            hashes = chain_hashes(seq.tokens[: max(0, target - 1)], ps, seq.req.hash_root) if use_cache else []
             matched = self.pool.match(hashes)
             extra = len(seq.followers) if len(seq.req.prompt_ids) % ps else 0
             need = math.ceil(target / ps) - len(matched) + extra
@@ -203,14 +217,15 @@ class Scheduler:
         for seq in decoding:
             pos = seq.total_len - 1
             rows.append(StepRow(tokens=[seq.tokens[-1]], start=pos, pages=seq.pages,
-                                samples=[SampleRow(seq.slot, self._sampling_row(seq))]))
+                                samples=[SampleRow(seq.slot, self._sampling_row(seq))], lora_slot=seq.req.lora_slot))
             owners.append(seq)
         for seq, n in chunks:
             start = seq.num_computed
             ends_prompt = start + n >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None
             group = [seq] + seq.followers if ends_prompt else []
             rows.append(StepRow(tokens=seq.tokens[start:start + n], start=start, pages=seq.pages,
-                                samples=[SampleRow(s.slot, self._sampling_row(s)) for s in group]))
+                                samples=[SampleRow(s.slot, self._sampling_row(s)) for s in group],
+                                lora_slot=seq.req.lora_slot))
             owners += group
         greedy = all(smp.sampling.temperature <= 0 for r in rows for smp in r.samples)
         try:
@@ -428,7 +443,7 @@ class Scheduler:
         full = seq.num_computed // ps
         if full <= len(seq.page_hashes) or not self.pool.enable_prefix_cache:
             return
-        hashes = chain_hashes(seq.tokens[: full * ps], ps)
+        hashes = chain_hashes(seq.tokens[: full * ps], ps, seq.req.hash_root)
         for i in range(len(seq.page_hashes), full):
             self.pool.register(seq.pages[i], hashes[i])
         seq.page_hashes = hashes
@@ -478,7 +493,8 @@ class Scheduler:
 
     def _maybe_forget(self, req: Request) -> None:
         if all(s.state is SeqState.FINISHED for s in req.seqs):
-            self.requests.pop(req.request_id, None)
+            if self.requests.pop(req.request_id, None) is not None and req.on_release is not None:
+                req.on_release()
 
     def _step_failed(self, seqs: list[Sequence], err: Exception) -> None:
         """Fault containment: fail only the requests of the failed step and keep serving."""
@@ -505,3 +521,12 @@ class Scheduler:
             return 0.0, 0.0
         span = max(1e-3, w[-1][0] - w[0][0])
         return sum(x[1] for x in w) / span, sum(x[2] for x in w) / span
+
+
+def _settle(fut: "Future[None]", fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as e:
+        fut.set_exception(e)
+    else:
+        fut.set_result(None)

@@ -36,6 +36,12 @@ class Request:
     aborted: bool = False
     # decoder-as-embedder: prefill only, then this receives the last token's final hidden state
     on_embedding: Optional[Callable[[np.ndarray], None]] = None
+    # LoRA: the adapter slot every row of this request carries (0 = the base model), the prefix-cache
+    # root its pages are keyed under (b"" = base; unique per adapter load), and a callback run once
+    # when the scheduler forgets the request (releases the adapter)
+    lora_slot: int = 0
+    hash_root: bytes = b""
+    on_release: Optional[Callable[[], None]] = None
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)

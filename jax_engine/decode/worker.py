@@ -30,14 +30,17 @@ from jax_engine.decode.page_pool import PagePool
 from jax_engine.decode.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
 from jax_engine.decode.scheduler import Scheduler
 from jax_engine.decode.sequence import Request, Sequence
-from jax_engine.errors import AlreadyExists, Internal, InvalidRequest, Overloaded
+from jax_engine.errors import AlreadyExists, Internal, InvalidRequest, NotFound, Overloaded
 from jax_engine.executor import backend
 from jax_engine.executor.multihost import StepChannel
 from jax_engine.kernels import choose as cpu_matmul
+from jax_engine.lora.adapter import load_adapter
+from jax_engine.lora.table import AdapterTable
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig
 from jax_engine.models.llama_weights import count_params, load_params
 from jax_engine.types import (
+    AdapterInfo,
     Constraint,
     EmbedOutput,
     EmbedRequest,
@@ -105,6 +108,14 @@ class GenerateWorker:
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_ids, args.grammar_cache_size,
                                         args.max_grammar_bytes, max_queued=args.max_waiting_requests)
         self.meshes = make_meshes(tp, replicas)
+        lora_on = args.enable_lora or bool(args.loras)
+        if lora_on:
+            if channel is not None:
+                raise InvalidRequest("LoRA (--enable-lora / --lora) is not supported on a multi-host slice")
+            if args.max_loras < 1 or args.max_lora_rank < 1:
+                raise InvalidRequest(f"--max-loras and --max-lora-rank must be >= 1 with LoRA enabled "
+                                     f"(got {args.max_loras}, {args.max_lora_rank})")
+        self.lora_table: Optional[AdapterTable] = AdapterTable(args.max_loras) if lora_on else None
         self.replicas: list[Scheduler] = []
         self.local_runners: dict[str, ModelRunner] = {}   # by "<model>/<replica>", never wrapped
         for r, mesh in enumerate(self.meshes):
@@ -115,7 +126,8 @@ class GenerateWorker:
             rc = RunnerConfig(page_size=self.page_size, num_pages=0, max_running=max_running,
                               max_batched_tokens=max_tokens, max_model_len=self.max_model_len,
                               max_n=args.max_n, top_n=max(1, args.max_top_logprobs),
-                              page_bucket_ratio=max(2, args.page_bucket_ratio))
+                              page_bucket_ratio=max(2, args.page_bucket_ratio),
+                              lora_slots=args.max_loras if lora_on else 0, lora_rank=args.max_lora_rank)
             rc.num_pages = spec.num_pages or self._auto_pages(rc)
             runner = ModelRunner(self.cfg, params, rc, mesh, self.dtype)
             self.local_runners[f"{spec.name}/{r}"] = runner
@@ -174,6 +186,48 @@ class GenerateWorker:
     def alive(self) -> bool:
         return all(s.alive() for s in self.replicas)
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Read a PEFT folder and write it into a free slot of every replica (blocking; compiles nothing)."""
+        table = self.lora_table
+        if table is None:
+            raise InvalidRequest(f"lora: LoRA is not enabled for model {self.spec.name!r}; "
+                                 "start the server with --enable-lora or --lora NAME=PATH")
+        if not name or len(name) > 256 or name.strip() != name:
+            raise InvalidRequest("lora_name: 1..256 characters without surrounding whitespace")
+        slot = table.reserve(name)
+        try:
+            t = time.time()
+            ad = load_adapter(name, path, self.cfg, self.args.max_lora_rank, np.dtype(self.dtype))
+            for f in [s.call_between_steps(lambda s=s: s.runner.write_lora_slot(slot - 1, ad.arrays))
+                      for s in self.replicas]:
+                f.result()
+        except BaseException:
+            table.cancel(name, slot)
+            raise
+        info = AdapterInfo(name=name, model=self.spec.name, path=ad.path, rank=ad.rank, alpha=ad.alpha,
+                           target_modules=ad.target_modules)
+        table.commit(info, slot)
+        log.info("%s: LoRA adapter %r (rank %d, %s) loaded into slot %d in %.2fs", self.spec.name, name,
+                 ad.rank, ",".join(ad.target_modules), slot, time.time() - t)
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        if self.lora_table is None or name not in self.lora_table:
+            raise NotFound(f"LoRA adapter {name!r} is not loaded")
+        self.lora_table.unload(name)
+
+    def adapters(self) -> list[AdapterInfo]:
+        return self.lora_table.infos() if self.lora_table is not None else []
+
+    def _use_adapter(self, r: Request, name: str) -> None:
+        """Bind a request to adapter `name` (NotFound if it is not loaded) until the scheduler forgets it."""
+        if self.lora_table is None:
+            raise NotFound(f"LoRA adapter {name!r} is not loaded (LoRA is not enabled: --enable-lora)")
+        table = self.lora_table
+        r.lora_slot, r.hash_root = table.acquire(name)
+        r.on_release = lambda: table.release(name)
+
     # ------------------------------------------------------------------ requests
     def compile_constraint(self, c: Constraint) -> "Future[CompiledGrammar]":
         """Start compiling a request's constraint (InvalidRequest at once for a malformed one);
@@ -199,6 +253,8 @@ class GenerateWorker:
             r.seqs.append(Sequence(req=r, index=i, detok=IncrementalDetokenizer(
                 self.tokenizer, ids, p.skip_special_tokens, list(p.stop), p.include_stop_str_in_output,
                 p.spaces_between_special_tokens), grammar=grammar.new_state() if grammar is not None else None))
+        if req.adapter:
+            self._use_adapter(r, req.adapter)
         sched.submit(r)
         return req.request_id
 
@@ -381,6 +437,9 @@ class GenerateWorker:
         tot = ModelStats(name=self.spec.name, page_size=self.page_size, replicas=per,
                          max_num_batched_tokens=self.replicas[0].budget, matmul_routes=self._matmul_routes(),
                          grammar_queue=self.grammars.queued)
+        if self.lora_table is not None:   # every replica holds every adapter: the same slots
+            for x in per + [tot]:
+                x.lora_slots_used, x.lora_slots_total = self.lora_table.used(), self.lora_table.slots
         for f in ("running_requests", "waiting_requests", "pages_total", "pages_used", "pages_free",
                   "prefill_tokens_per_s", "decode_tokens_per_s", "total_prompt_tokens", "total_generated_tokens",
                   "prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "compilations_after_warmup",

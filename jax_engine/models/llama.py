@@ -32,6 +32,7 @@ from jax_engine import attention
 from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as cpu_kernels
 from jax_engine.kernels.plan import MatmulPlan
+from jax_engine.models import lora as lora_terms
 from jax_engine.models.registry import DECODERS, architecture_of
 
 Params = dict[str, Any]
@@ -180,9 +181,12 @@ class StepInputs:
 
 def forward(
     params: Params, cfg: LlamaConfig, k_cache: jax.Array, v_cache: jax.Array,
-    inp: StepInputs, page_size: int,
+    inp: StepInputs, page_size: int, lora: Optional[tuple[lora_terms.Bank, jax.Array]] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Run all layers; returns (final-normed hidden [T, H], k_cache, v_cache).
+
+    `lora` = (the adapter bank [L, S, ...] of jax_engine/lora/bank.py, each token's 1-based slot
+    [T], 0 = none): every layer matrix gets its rows' LoRA term, skipped when no token has a slot.
 
     The caches' layout belongs to the attention backend (jax_engine/attention/; the reference's
     is [L, num_pages * page_size, KVH, D]); they travel in the scan carry and are updated with
@@ -206,6 +210,18 @@ def forward(
     skip = set(big) | set(lib) | {f"{k}_panels" for k in PACKED}    # ... and a second layout the scan must not slice
     xs = {k: v for k, v in layers.items() if k not in skip}
     kvh_r = cfg.num_kv_heads * cfg.kv_repeat
+    if lora is not None:
+        bank, lora_slot = lora
+        lora_on = jnp.any(lora_slot > 0)
+        lora_mask = lora_terms.token_mask(lora_slot, bank["qkv_a"].shape[1], x.dtype)   # [T, S]
+        xs = {**xs, **{"lora/" + k: v for k, v in bank.items()}}
+
+    def plus_lora(lp, y, term):
+        """y [1, T, ...] plus its LoRA term (term(lb): [T, ...]) when any token has an adapter."""
+        if lora is None:
+            return y
+        lb = {k[5:]: v for k, v in lp.items() if k.startswith("lora/")}
+        return jax.lax.cond(lora_on, lambda y: y + term(lb)[None].astype(y.dtype), lambda y: y, y)
 
     def mm(name, lp, li, v, out_tail):
         """One layer matmul; out_tail (the unsharded output dims) is what the kernel path needs."""
@@ -219,6 +235,7 @@ def forward(
         x, kc, vc, li = carry
         h = rms_norm(x, lp["ln1"], cfg.rms_eps)
         qkv = mm("qkv", lp, li, h, (kvh_r, G + 2, cfg.head_dim))   # [B, Tq, KVH, G+2, D]
+        qkv = plus_lora(lp, qkv, lambda lb: lora_terms.qkv_delta(h[0], lb, lora_mask, G))
         if cfg.qkv_bias:
             qkv = qkv + lp["qkv_b"].astype(qkv.dtype)
         q, k, v = qkv[..., :G, :], qkv[..., G, :], qkv[..., G + 1, :]
@@ -229,10 +246,13 @@ def forward(
         k = rope(k, q_pos, inv_freq, cfg.rope_attention_factor)
         kc, vc = attn.write(kc, vc, li, k[0], v[0], meta)
         a = attn.attend(q[0], kc, vc, li, meta).astype(x.dtype)[None]   # [1, T, KVH, G, D]
-        x = x + mm("o", lp, li, a, (cfg.hidden_size,))
+        x = x + plus_lora(lp, mm("o", lp, li, a, (cfg.hidden_size,)), lambda lb: lora_terms.o_delta(a[0], lb, lora_mask))
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
         gu = mm("gate_up", lp, li, h, (2, cfg.intermediate_size))
-        x = x + mm("down", lp, li, jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], (cfg.hidden_size,))
+        gu = plus_lora(lp, gu, lambda lb: lora_terms.gate_up_delta(h[0], lb, lora_mask))
+        act = jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+        x = x + plus_lora(lp, mm("down", lp, li, act, (cfg.hidden_size,)),
+                          lambda lb: lora_terms.down_delta(act[0], lb, lora_mask))
         return (x, kc, vc, li + 1), None
 
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, (x, k_cache, v_cache, jnp.int32(0)), xs,

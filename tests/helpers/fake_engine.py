@@ -4,10 +4,18 @@ It serves a generator "fake-gen" and an embedding model "fake-embed" with the re
 types (`jax_engine.types`, `jax_engine.errors`). Token ids are a pure function of the prompt:
 the k-th new token of sequence i is `(last prompt id + 1 + i + k) % vocab`; text is byte-level
 (id - 3 is the byte), so the front's own text handling runs too.
+
+LoRA: an in-memory adapter table (`enable_lora` / `loras` as EngineArgs take them). A run-time
+`load_adapter` checks what the engine checks (LoRA enabled, the path under --model-root, a PEFT
+folder with `adapter_config.json`, rank <= max_lora_rank, a free slot, a new name); a generate
+request naming an adapter that is not loaded on its model raises NotFound. Every generate
+request is kept in `requests`, every adapter call in `adapter_calls`.
 """
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 import uuid
 from typing import Any, AsyncGenerator, Optional
@@ -15,8 +23,16 @@ from typing import Any, AsyncGenerator, Optional
 import numpy as np
 
 from jax_engine.api import EngineArgs, ModelSpec
-from jax_engine.errors import AlreadyExists, InvalidRequest, NotFound, Unavailable
-from jax_engine.types import EmbedOutput, EmbedRequest, GenerateOutput, GenerateRequest, ModelInfo, ModelStats
+from jax_engine.errors import AlreadyExists, InvalidRequest, NotFound, Overloaded, PermissionDenied, Unavailable
+from jax_engine.types import (
+    AdapterInfo,
+    EmbedOutput,
+    EmbedRequest,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+    ModelStats,
+)
 
 FAKE_GEN = "fake-gen"
 FAKE_EMBED = "fake-embed"
@@ -70,10 +86,12 @@ def _info(name: str, task: str) -> ModelInfo:
 class FakeEngine:
     """Implements `jax_engine.api.EngineAPI`; every call is recorded in `calls`."""
 
-    def __init__(self, model_root: Optional[str] = None) -> None:
+    def __init__(self, model_root: Optional[str] = None, *, enable_lora: bool = False,
+                 loras: Optional[list[tuple[str, str]]] = None, max_loras: int = 8, max_lora_rank: int = 64) -> None:
         self.args = EngineArgs(models=[ModelSpec(name=FAKE_GEN, path=f"/fake/{FAKE_GEN}"),
                                        ModelSpec(name=FAKE_EMBED, path=f"/fake/{FAKE_EMBED}")],
-                               model_root=model_root)
+                               model_root=model_root, enable_lora=enable_lora, loras=list(loras or []),
+                               max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.counters = FakeCounters()
         self.start_time = time.time()
         self.compile_cache_dir = "/fake/compile-cache"
@@ -83,6 +101,12 @@ class FakeEngine:
         self._loaded = True
         self.aborted: list[str] = []
         self.calls: list[str] = []
+        self.requests: list[GenerateRequest] = []            # every generate request, as received
+        self.adapter_calls: list[tuple[Any, ...]] = []       # ("load_adapter", name, path, model), ...
+        self._adapters: dict[str, AdapterInfo] = {}
+        for name, path in self.args.loras:                   # --lora NAME=PATH: onto the default generator
+            self._adapters[name] = AdapterInfo(name=name, model=FAKE_GEN, path=path, rank=8, alpha=16.0,
+                                               target_modules=["q_proj", "v_proj"])
 
     # ------------------------------------------------------------ state
     @property
@@ -119,15 +143,69 @@ class FakeEngine:
 
     def stats(self, name: Optional[str] = None) -> ModelStats:
         info = self.model_info(name)
+        lora = self._lora_enabled() and info.task == "generate"
         return ModelStats(name=info.name, pages_total=64, pages_used=0, pages_free=64, page_size=16,
-                          max_running_requests=self.args.max_running_requests)
+                          max_running_requests=self.args.max_running_requests,
+                          lora_slots_used=self._slots_used(info.name) if lora else 0,
+                          lora_slots_total=self.args.max_loras if lora else 0)
+
+    # ------------------------------------------------------------ LoRA adapters
+    def _lora_enabled(self) -> bool:
+        return self.args.enable_lora or bool(self.args.loras)
+
+    def _slots_used(self, model: str) -> int:
+        return sum(1 for a in self._adapters.values() if a.model == model)
+
+    def adapters(self, model: Optional[str] = None) -> list[AdapterInfo]:
+        self.calls.append("adapters")
+        return [a for a in self._adapters.values() if model is None or a.model == model]
+
+    async def load_adapter(self, name: str, path: str, model: Optional[str] = None) -> AdapterInfo:
+        self.calls.append("load_adapter")
+        self.adapter_calls.append(("load_adapter", name, path, model))
+        if not self._lora_enabled():
+            raise InvalidRequest("LoRA is not enabled: start the server with --enable-lora")
+        info = self.model_info(model or self.default_model("generate"), "generate")
+        if self.args.model_root is None:
+            raise PermissionDenied("loading LoRA adapters over the network needs --model-root")
+        real, root = os.path.realpath(path), os.path.realpath(self.args.model_root)
+        if os.path.commonpath([real, root]) != root:
+            raise PermissionDenied(f"adapter path {path!r} is outside --model-root")
+        if name in self._adapters or name in self._models:
+            raise AlreadyExists(f"LoRA adapter {name!r} is already loaded")
+        config = os.path.join(real, "adapter_config.json")
+        if not os.path.isfile(config):
+            raise InvalidRequest(f"{path!r} is not a PEFT adapter folder (no adapter_config.json)")
+        with open(config) as f:
+            cfg = json.load(f)
+        rank = int(cfg.get("r", 8))
+        if rank > self.args.max_lora_rank:
+            raise InvalidRequest(f"adapter {name!r} has rank {rank}, above --max-lora-rank {self.args.max_lora_rank}")
+        if self._slots_used(info.name) >= self.args.max_loras:
+            raise Overloaded(f"every LoRA slot of model {info.name!r} is in use (--max-loras {self.args.max_loras})")
+        adapter = AdapterInfo(name=name, model=info.name, path=path, rank=rank, alpha=float(cfg.get("lora_alpha", rank)),
+                              target_modules=list(cfg.get("target_modules") or []))
+        self._adapters[name] = adapter
+        return adapter
+
+    async def unload_adapter(self, name: str) -> None:
+        self.calls.append("unload_adapter")
+        self.adapter_calls.append(("unload_adapter", name))
+        if name not in self._adapters:
+            raise NotFound(f"LoRA adapter {name!r} is not loaded")
+        del self._adapters[name]
 
     # ------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         self.calls.append("generate")
+        self.requests.append(req)
         if self._draining:
             raise Unavailable("server is draining; not accepting new requests")
         info = self.model_info(req.model, "generate")
+        if req.adapter:
+            adapter = self._adapters.get(req.adapter)
+            if adapter is None or adapter.model != info.name or adapter.state != "loaded":
+                raise NotFound(f"LoRA adapter {req.adapter!r} is not loaded on model {info.name!r}")
         if not req.request_id:
             req.request_id = uuid.uuid4().hex
         ids = list(req.prompt_ids) if req.prompt_ids is not None else self._tokenizer.encode(req.prompt or "")

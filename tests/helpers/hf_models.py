@@ -60,3 +60,27 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def hf_logits(model, prompt: list[int]):
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].float().numpy()
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_lora(model, path: str, seed: int, r: int = 8, alpha: float = 16.0, targets=None, rslora: bool = False):
+    """A PEFT LoRA adapter on `model` with random non-zero A and B (PEFT starts B at zero, which would
+    test nothing), saved to `path`; returns the PEFT model (eval) to compare against. `model` is not
+    modified (PEFT wraps a deep copy)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets or LORA_TARGETS), lora_dropout=0.0,
+                     use_rslora=rslora, init_lora_weights=False)
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(model), cfg).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.normal_(0, 0.05)
+    os.makedirs(path, exist_ok=True)
+    peft_model.save_pretrained(path, safe_serialization=True)
+    return peft_model
