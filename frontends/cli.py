@@ -227,7 +227,7 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
                                         "and on every gRPC call (prefer the env variable: argv is visible)")
     opt(sec, "--admin-api-key", secret=True, default=None, help="key for admin operations (with --enable-admin)")
     sec.add_argument("--enable-admin", action="store_true", default=_env_bool("--enable-admin", False),
-                     help="allow AllSpark model lifecycle and ShutdownService "
+                     help="allow AllSpark model lifecycle, ShutdownService and the LoRA load / unload routes "
                           f"[env {_env_name('--enable-admin')}]")
     opt(sec, "--model-root", default=None, help="model paths given over the network must lie under this folder")
 

@@ -1,7 +1,8 @@
 """The HTTP front: one FastAPI app over the shared engine.
 
 Routes: `/health`, `/ready`, `/metrics` (Prometheus), `/docs` + `/openapi.json`, the
-OpenAI-compatible `/v1/...` routes (frontends/http/openai.py) and, when servicers are given,
+OpenAI-compatible `/v1/...` routes (frontends/http/openai.py), with --enable-admin vLLM's
+LoRA load / unload routes (frontends/http/lora_admin.py) and, when servicers are given,
 the JSON mirror of every gRPC method (frontends/http/mirror.py).
 
 Cross-cutting concerns are plain ASGI middleware, outermost first:
@@ -30,6 +31,7 @@ from frontends.common.access import AccessPolicy
 from frontends.common.errors import HTTP_BY_GRPC, code_name, error_body, error_message, http_status, retry_after_s
 from frontends.common.metrics import ServerMetrics
 from frontends.common.version import package_version
+from frontends.http.lora_admin import add_lora_admin_routes
 from frontends.http.mirror import add_mirror_routes
 from frontends.http.openai import router as openai_router
 from frontends.http.openai_schema import field_error, openai_error_body
@@ -372,6 +374,8 @@ def create_app(engine: EngineAPI, *, api_key: Optional[str] = None, servicers: O
     app.include_router(responses_router)
     app.include_router(retrieval_router)
     app.include_router(tokenize_router)
+    if enable_admin:  # run-time LoRA loading reads client-named files: an admin operation
+        add_lora_admin_routes(app, api_key=api_key, admin_api_key=admin_api_key)
     if servicers:
         policy = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, enable_admin=enable_admin)
         add_mirror_routes(app, servicers, policy=policy, max_body_bytes=max_body_bytes)

@@ -573,7 +573,7 @@ def test_row14_unknown_models_lora_and_paths(http, sgl, asp, arc, grpc_channel, 
                         ("/v1/chat/completions", {"messages": CHAT})):
         http_error(http.post(route, json={**body, "model": "no-such"}), 404, "no-such", param="model")
     http_error(http.get("/v1/models/no-such"), 404, "no-such")
-    grpc_error(lambda: sgl.Generate(gen_req(lora_id="adapter-1")), grpc.StatusCode.INVALID_ARGUMENT, "lora_id")
+    grpc_error(lambda: sgl.Generate(gen_req(lora_id="adapter-1")), grpc.StatusCode.NOT_FOUND, "lora_id")
     assert "no-such" in arc.Encode(ipb.EncodeRequest(request_id="m", n_prompts=1, prompts=["x"],
                                                      model_name="no-such")).error
     assert asp.StartRequest(apb.StartRequestRequest(model_name="no-such", inputs=as_tensor(),

@@ -19,5 +19,9 @@ def test_tp_and_replicas_match_single_device():
         err = np.max(np.abs(np.array(res[key]["logits"]) - np.array(base["logits"])))
         assert err <= 1e-4, f"{key}: logits differ from TP=1 by {err:.2e}"
         assert res[key]["tokens"] == base["tokens"], f"{key}: greedy tokens differ from TP=1"
+        err = np.max(np.abs(np.array(res[key]["lora_logits"]) - np.array(base["lora_logits"])))
+        assert err <= 1e-4, f"{key}: LoRA logits differ from TP=1 by {err:.2e}"
+        assert res[key]["lora_tokens"] == base["lora_tokens"], f"{key}: LoRA greedy tokens differ from TP=1"
+    assert res["1x1"]["lora_tokens"] != res["1x1"]["tokens"][:len(res["1x1"]["lora_tokens"])], "the adapter changes nothing"
     assert len(set(res["2x2"]["devices"])) == 4, "2 replicas x TP 2 must use 4 distinct devices"
     assert all(n > 0 for n in res["2x2"]["per_replica"]), "both replicas must serve requests"

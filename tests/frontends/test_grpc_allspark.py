@@ -221,7 +221,7 @@ def test_concurrent_get_loops_and_control_calls_progress(stub):
     (dict(no_repeat_ngram_size=3), pb.ALLSPARK_PARAM_ERROR),
     (dict(bad_words_ids=pb.BadWordIds(ids=[pb.BadWordIds.Array(word=[5])])), pb.ALLSPARK_PARAM_ERROR),
     (dict(response_format={"type": "xml"}), pb.ALLSPARK_PARAM_ERROR),
-    (dict(lora_name="adapter"), pb.ALLSPARK_PARAM_ERROR),
+    (dict(lora_name="adapter"), 13),   # ALLSPARK_LORA_NOT_LOADED (not in the proto enum: a raw number)
     (dict(top_p=1.5), pb.ALLSPARK_PARAM_ERROR),
 ], ids=["unknown-model", "embedding-model", "int32", "1d", "batch2", "bytes", "no-input_ids", "oov", "empty",
         "max_length-over-limit", "max_length-under-prompt", "beams", "num_return_sequences", "ngram",
@@ -306,8 +306,9 @@ def test_model_life_cycle(stub, demo_generator_path, model_root, serving_engine)
     (dict(matmul_precision="lowest"), pb.ALLSPARK_PARAM_ERROR),
     (dict(model_name=""), pb.ALLSPARK_PARAM_ERROR),
     (dict(model_name=GEN), pb.ALLSPARK_PARAM_ERROR),  # already served
-    (dict(lora_names=pb.LoraNames(names=["a"])), pb.ALLSPARK_PARAM_ERROR),
-], ids=["outside-root", "missing", "precision", "no-name", "duplicate", "lora"])
+    (dict(lora_names=pb.LoraNames(names=["a"])), pb.ALLSPARK_PARAM_ERROR),  # LoRA is not enabled here
+    (dict(is_lora_cfg=True), pb.ALLSPARK_PARAM_ERROR),
+], ids=["outside-root", "missing", "precision", "no-name", "duplicate", "lora", "is_lora_cfg"])
 def test_build_refusals(stub, demo_generator_path, model_root, kw, status):
     if kw.get("model_path") == "MISSING":
         kw = dict(kw, model_path=os.path.join(model_root, "missing"))

@@ -118,7 +118,6 @@ def test_logprobs_output_input_and_top(stub):
 @pytest.mark.parametrize("field,value", [
     ("mm_inputs", pb.MultimodalInputs(image_urls=["http://x/y.png"])),
     ("input_embeds", [0.1, 0.2]),
-    ("lora_id", "adapter-1"),
     ("custom_logit_processor", "serialized"),
     ("return_hidden_states", True),
     ("token_ids_logprob", [3, 4]),
@@ -129,6 +128,14 @@ def test_unsupported_fields_are_refused_by_name(stub, field, value):
         list(stub.Generate(gen_request(f"bad-{field}", **{field: value})))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+def test_unknown_lora_id_is_not_found(stub):
+    """lora_id names a loaded LoRA adapter (none is loaded here): NOT_FOUND, naming it."""
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(gen_request("bad-lora", lora_id="adapter-1")))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "lora_id 'adapter-1'" in e.value.details()
 
 
 @pytest.mark.parametrize("constraint,spec", [("regex", "(a"), ("json_schema", "not json"),

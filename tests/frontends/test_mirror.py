@@ -91,9 +91,11 @@ def test_malformed_json_is_400(http, body, needle):
 
 
 def test_servicer_errors_map_to_http(http):
-    r = http.post(f"{SGL}/Generate", json={"requestId": "x", "loraId": "a", "tokenized": {"inputIds": [1]}})
+    r = http.post(f"{SGL}/Generate", json={"requestId": "x", "customLogitProcessor": "a", "tokenized": {"inputIds": [1]}})
     assert r.status_code == 400 and r.json() == {"code": "invalid_argument",
-                                                 "message": "lora_id is not supported by this server"}
+                                                 "message": "custom_logit_processor is not supported by this server"}
+    r = http.post(f"{SGL}/Generate", json={"requestId": "x", "loraId": "a", "tokenized": {"inputIds": [1]}})
+    assert r.status_code == 404 and r.json()["code"] == "not_found" and "lora_id 'a'" in r.json()["message"]
     r = http.post(f"{SGL}/GetLoads", json={"include": ["nope"]})
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
 

@@ -2,7 +2,8 @@
 with an error naming it; each one it accepts is shown to act. Real sockets, shared fixtures.
 
 Covered here: SGLang `spaces_between_special_tokens` and Embed `texts`; the SGLang and AllSpark
-fields that are refused (gRPC and JSON mirror); OpenAI `parallel_tool_calls`, unknown keys in
+fields that are refused (gRPC and JSON mirror); an unknown LoRA adapter (`lora_id`, `lora_name`)
+is refused, never served by the base model; OpenAI `parallel_tool_calls`, unknown keys in
 content parts, `max_tokens` with `max_completion_tokens`, `best_of`; gRPC metadata over 16 KiB.
 """
 from __future__ import annotations
@@ -129,7 +130,6 @@ SGLANG_REFUSED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (field named in the error, GenerateRequest fields, SamplingParams fields)
     ("custom_params", {}, {"custom_params": struct_pb2.Struct(fields={"seed": struct_pb2.Value(number_value=1)})}),
     ("token_ids_logprob", {"token_ids_logprob": [5]}, {}),
-    ("lora_id", {"lora_id": "adapter"}, {}),
     ("input_embeds", {"input_embeds": [0.5]}, {}),
     ("return_hidden_states", {"return_hidden_states": True}, {}),
     ("custom_logit_processor", {"custom_logit_processor": "x"}, {}),
@@ -168,7 +168,6 @@ ALLSPARK_REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("num_return_sequences", {"num_return_sequences": 2}),
     ("no_repeat_ngram_size", {"no_repeat_ngram_size": 2}),
     ("bad_words_ids", {"bad_words_ids": apb.BadWordIds(ids=[apb.BadWordIds.Array(word=[5])])}),
-    ("lora_name", {"lora_name": "adapter"}),
     ("suppress_repetition_in_generation", {"suppress_repetition_in_generation": True}),
     ("top_k_arr", {"top_k_arr": [1]}),
     ("top_p_arr", {"top_p_arr": [0.5]}),
@@ -196,6 +195,29 @@ def test_allspark_unsupported_fields_are_refused_by_name(tok, transport, name, f
     resp, trailers = p.start(cfg)
     assert resp.as_status == apb.ALLSPARK_PARAM_ERROR and resp.uuid == cfg.uuid
     assert f"config.{name}" in trailers[ERROR_TRAILER], trailers
+    status, _ = transport.unary(ALLSPARK, "GenerateStatus", apb.UUID(uuid=cfg.uuid), apb.GenerateRequestStatus)
+    assert status.status == apb.Init                      # nothing was registered
+
+
+def test_unknown_lora_adapter_is_refused_not_served_by_the_base_model(tok, transport):
+    """lora_id / lora_name are honoured (tests/frontends/test_lora_fronts.py), so an adapter that
+    is not loaded is NOT_FOUND (SGLang) or ALLSPARK_LORA_NOT_LOADED = 13 (AllSpark), by name."""
+    req = Sglang(tok, transport, "sglang").request({"temperature": 0.0, "max_tokens": 2}, lora_id="no-such-adapter")
+    if isinstance(transport, GrpcTransport):
+        with pytest.raises(grpc.RpcError) as e:
+            transport.stream(SGLANG, "Generate", req, spb.GenerateResponse)
+        code, message = e.value.code().name, e.value.details()
+    else:
+        r = transport._post(SGLANG, "Generate", req)
+        assert r.status_code == 404, r.text
+        code, message = r.json()["code"].upper(), r.json()["message"]
+    assert code == "NOT_FOUND" and "lora_id 'no-such-adapter'" in message, message
+    p = AllSpark(tok, transport, "allspark")
+    cfg = p.config({"temperature": 0.0, "max_tokens": 2})
+    cfg.lora_name = "no-such-adapter"
+    resp, trailers = p.start(cfg)
+    assert resp.as_status == 13 and resp.uuid == cfg.uuid
+    assert "config.lora_name 'no-such-adapter'" in trailers[ERROR_TRAILER], trailers
     status, _ = transport.unary(ALLSPARK, "GenerateStatus", apb.UUID(uuid=cfg.uuid), apb.GenerateRequestStatus)
     assert status.status == apb.Init                      # nothing was registered
 

@@ -27,10 +27,11 @@ def engine_logits(worker, prompt: list[int]) -> np.ndarray:
     return prompt_logits(worker.replicas[0].runner, prompt)
 
 
-async def greedy_all(engine: Engine, prompts: list[list[int]], n: int, model: str = None) -> list[list[int]]:
+async def greedy_all(engine: Engine, prompts: list[list[int]], n: int, model: str = None,
+                     adapter: str = None) -> list[list[int]]:
     async def one(p):
         toks = []
-        req = GenerateRequest(request_id="", prompt_ids=p, model=model,
+        req = GenerateRequest(request_id="", prompt_ids=p, model=model, adapter=adapter,
                               params=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
         async for o in engine.generate(req):
             toks += o.new_token_ids

@@ -165,7 +165,9 @@ class FakeEngine:
         self.adapter_calls.append(("load_adapter", name, path, model))
         if not self._lora_enabled():
             raise InvalidRequest("LoRA is not enabled: start the server with --enable-lora")
-        info = self.model_info(model or self.default_model("generate"), "generate")
+        info = self._known(model or self.default_model("generate") or "")  # built, running or stopped
+        if info.task != "generate":
+            raise InvalidRequest(f"model {info.name!r} is not a generation model: LoRA adapters need one")
         if self.args.model_root is None:
             raise PermissionDenied("loading LoRA adapters over the network needs --model-root")
         real, root = os.path.realpath(path), os.path.realpath(self.args.model_root)

@@ -1,4 +1,5 @@
-"""Run in a subprocess with 4 forced host devices: TP 1/2/4 and 2 replicas x TP 2 agree."""
+"""Run in a subprocess with 4 forced host devices: TP 1/2/4 and 2 replicas x TP 2 agree, for the
+base model and under a LoRA adapter (sharded LoRA B / A as the base weights, jax_engine/lora/bank.py)."""
 import asyncio
 import json
 import os
@@ -9,6 +10,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ["XLASERVE_PROGRESS"] = "0"
 
 from jax_engine.config import ModelSpec  # noqa: E402
+from jax_engine.decode.parity import prompt_logits  # noqa: E402
 from jax_engine.engine import Engine  # noqa: E402
 from tests.helpers import hf_models  # noqa: E402
 from tests.helpers.engines import PROMPTS, engine_logits, greedy_all, small_args  # noqa: E402
@@ -16,16 +18,22 @@ from tests.helpers.engines import PROMPTS, engine_logits, greedy_all, small_args
 
 def main() -> None:
     path = tempfile.mkdtemp()
-    hf_models.build("qwen2", path)        # 2 KV heads: TP 4 exercises KV-head replication
+    base = hf_models.build("qwen2", path)        # 2 KV heads: TP 4 exercises KV-head replication
+    lora = tempfile.mkdtemp()
+    hf_models.build_lora(base, lora, seed=5, r=4)
     results = {}
     for tp, replicas in [(1, 1), (2, 1), (4, 1), (2, 2)]:
-        eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp, replicas=replicas)]))
+        eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp, replicas=replicas)],
+                                loras=[("a", lora)], max_loras=2, max_lora_rank=8))
         eng.load_all(progress=False, warmup=False)
         w = eng.worker("m")
         logits = engine_logits(w, PROMPTS[0])
         toks = asyncio.run(greedy_all(eng, PROMPTS * 2, 16))
         per_replica = [s.total_generated_tokens for s in w.replicas]
+        lora_logits = prompt_logits(w.replicas[-1].runner, PROMPTS[0], lora_slot=1)
+        lora_toks = asyncio.run(greedy_all(eng, PROMPTS, 16, adapter="a"))
         results[f"{tp}x{replicas}"] = {"logits": logits.tolist(), "tokens": toks, "per_replica": per_replica,
+                                       "lora_logits": lora_logits.tolist(), "lora_tokens": lora_toks,
                                        "devices": [str(d) for m in w.meshes if m is not None for d in m.devices.flat]}
         eng.shutdown()
     json.dump(results, sys.stdout)
