@@ -126,7 +126,43 @@ def _rope_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
         smoothed = (1 - smooth) * out / factor + smooth * out
         medium = ~(wl < hi_wl) & ~(wl > lo_wl)
         return np.where(medium, smoothed, out).astype(np.float32), 1.0
-    raise InvalidRequest(f"rope type {rtype!r} is not supported (default, linear, llama3)")
+    if rtype == "yarn":
+        return _yarn(params, cfg, head_dim, theta, inv)
+    raise InvalidRequest(f"rope type {rtype!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _yarn(params: dict, cfg: dict, dim: int, theta: float, inv: np.ndarray) -> tuple[np.ndarray, float]:
+    """YaRN (Peng et al., arXiv:2309.00071) as transformers computes it: per frequency a linear ramp
+    between interpolation (inv / factor) and extrapolation (inv) over the dimensions whose
+    wavelength falls between beta_fast and beta_slow rotations of the original context, and an
+    attention factor (0.1 ln(factor) + 1 unless given) that scales cos and sin."""
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise InvalidRequest("rope partial_rotary_factor != 1 is not supported")
+    orig = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096)
+    factor = params.get("factor") or cfg.get("max_position_embeddings", orig) / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = params.get("attention_factor")
+    if attn is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def corr_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+    if params.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+    extrapolate = 1 - ramp
+    out = (inv / factor) * (1 - extrapolate) + inv * extrapolate
+    return out.astype(np.float32), float(attn)
 
 
 # --------------------------------------------------------------------------- building blocks

@@ -24,6 +24,9 @@ def family_config(family: str):
         return tf.Qwen2Config(**TINY)
     if family == "qwen3":
         return tf.Qwen3Config(**{**TINY, "head_dim": 32})
+    if family == "qwen2_yarn":   # YaRN factor 4 over an original context shorter than the test prompts
+        return tf.Qwen2Config(**TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                                    "rope_theta": 10000.0})
     if family == "llama_tied":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=True)
     raise ValueError(family)
@@ -38,9 +41,10 @@ def build(family: str, path: str, seed: int = 0):
     cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = ids["<|eos|>"], ids["<|bos|>"], ids["<|pad|>"]
     torch.manual_seed(seed)
     cls = {"llama3": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-           "qwen3": tf.Qwen3ForCausalLM, "llama_tied": tf.LlamaForCausalLM}[family]
+           "qwen3": tf.Qwen3ForCausalLM, "llama_tied": tf.LlamaForCausalLM,
+           "qwen2_yarn": tf.Qwen2ForCausalLM}[family]
     model = cls(cfg).eval()
-    if family == "qwen2":   # Qwen2 has QKV biases; make them non-zero so they are tested
+    if family.startswith("qwen2"):   # Qwen2 has QKV biases; make them non-zero so they are tested
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
