@@ -1,6 +1,6 @@
 """LoRA adapters in every front and the CLI, against the fake engine (tests/helpers/fake_engine.py):
 no model, no JAX. Each test checks a front's mapping: which engine calls and requests it makes
-(`FakeEngine.requests` / `adapter_calls`) and what the client sees.
+(`FakeEngine.generate_requests` / `adapter_calls`) and what the client sees.
 
 SGLang `lora_id`, AllSpark `lora_name` (unknown: status 13, ALLSPARK_LORA_NOT_LOADED) and
 `lora_names` / `is_lora_cfg` at build, Arctic `lora_config`, OpenAI `model` = an adapter name
@@ -102,10 +102,10 @@ def sglang_request(rid: str, **kw) -> spb.GenerateRequest:
 def test_sglang_lora_id_reaches_the_engine_as_adapter(transport, engine):
     msgs = transport.stream(SGLANG, "Generate", sglang_request("l-1", lora_id="ad-a"), spb.GenerateResponse)
     assert msgs[-1].complete.completion_tokens == 3
-    req = engine.requests[-1]
+    req = engine.generate_requests[-1]
     assert req.adapter == "ad-a" and req.model == FAKE_GEN
     transport.stream(SGLANG, "Generate", sglang_request("l-2"), spb.GenerateResponse)
-    assert engine.requests[-1].adapter is None and engine.requests[-1].model is None
+    assert engine.generate_requests[-1].adapter is None and engine.generate_requests[-1].model is None
 
 
 def test_sglang_unknown_lora_id_is_not_found(engine, server_loop):
@@ -170,7 +170,7 @@ def test_allspark_lora_name_reaches_the_engine(transport, engine):
     resp, _ = transport.unary(ALLSPARK, "StartRequest", allspark_start("as-l1", lora_name="ad-a"),
                               apb.StartRequestResponse)
     assert resp.as_status == apb.ALLSPARK_SUCCESS and resp.uuid == "as-l1"
-    req = engine.requests[-1]
+    req = engine.generate_requests[-1]
     assert req.adapter == "ad-a" and req.model == FAKE_GEN
     transport.unary(ALLSPARK, "SyncRequest", apb.StopRequestRequest(uuid="as-l1"), apb.StartRequestResponse)
     got, _ = transport.unary(ALLSPARK, "GetNoWait", apb.UUID(uuid="as-l1"), apb.GeneratedElements)
@@ -180,12 +180,12 @@ def test_allspark_lora_name_reaches_the_engine(transport, engine):
 
 @both
 def test_allspark_unknown_lora_name_is_lora_not_loaded(transport, engine):
-    before = len(engine.requests)
+    before = len(engine.generate_requests)
     resp, trailers = transport.unary(ALLSPARK, "StartRequest", allspark_start("as-l2", lora_name="nope"),
                                      apb.StartRequestResponse)
     assert resp.as_status == LORA_NOT_LOADED and resp.uuid == "as-l2"
     assert "config.lora_name 'nope'" in trailers[ERROR_TRAILER]
-    assert len(engine.requests) == before                       # refused before the engine
+    assert len(engine.generate_requests) == before                       # refused before the engine
     status, _ = transport.unary(ALLSPARK, "GenerateStatus", apb.UUID(uuid="as-l2"), apb.GenerateRequestStatus)
     assert status.status == apb.Init                            # not registered
 
@@ -202,7 +202,7 @@ def test_allspark_lora_name_unloaded_before_admission_is_lora_not_loaded(server_
         r = client.post(f"/{ALLSPARK}/StartRequest", json=body)
         assert r.status_code == 200 and r.json()["asStatus"] == LORA_NOT_LOADED
         assert "config.lora_name 'ghost'" in r.headers["trailer-allspark-error"]
-    assert engine.requests[-1].adapter == "ghost"       # the engine's NotFound, mapped to 13
+    assert engine.generate_requests[-1].adapter == "ghost"       # the engine's NotFound, mapped to 13
 
 
 def build(name: str, **kw) -> apb.ModelStructConfig:
@@ -275,21 +275,21 @@ def test_openai_model_names_an_adapter(engine):
         r = client.post("/v1/completions", json={"model": "ad-a", "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "ad-a"
-        assert (engine.requests[-1].model, engine.requests[-1].adapter) == (FAKE_GEN, "ad-a")
+        assert (engine.generate_requests[-1].model, engine.generate_requests[-1].adapter) == (FAKE_GEN, "ad-a")
         r = client.post("/v1/chat/completions", json={"model": "ad-a", "max_tokens": 2,
                                                       "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "ad-a"
-        assert (engine.requests[-1].model, engine.requests[-1].adapter) == (FAKE_GEN, "ad-a")
+        assert (engine.generate_requests[-1].model, engine.generate_requests[-1].adapter) == (FAKE_GEN, "ad-a")
         # the prompt went through the base model's chat template
-        assert engine.requests[-1].prompt_ids == engine.tokenizer(FAKE_GEN).apply_chat_template(
+        assert engine.generate_requests[-1].prompt_ids == engine.tokenizer(FAKE_GEN).apply_chat_template(
             [{"role": "user", "content": "hi"}], add_generation_prompt=True)
         r = client.post("/v1/responses", json={"model": "ad-a", "input": "hi", "max_output_tokens": 2})
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "ad-a"
-        assert (engine.requests[-1].model, engine.requests[-1].adapter) == (FAKE_GEN, "ad-a")
+        assert (engine.generate_requests[-1].model, engine.generate_requests[-1].adapter) == (FAKE_GEN, "ad-a")
         r = client.post("/v1/completions", json={"model": FAKE_GEN, "prompt": PROMPT, "max_tokens": 1})
-        assert r.status_code == 200 and engine.requests[-1].adapter is None
+        assert r.status_code == 200 and engine.generate_requests[-1].adapter is None
         for route, body in (("/v1/completions", {"prompt": "x"}), ("/v1/responses", {"input": "x"}),
                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
             r = client.post(route, json={**body, "model": "no-such-adapter"})
@@ -324,7 +324,7 @@ def test_lora_admin_load_use_unload(engine, root):
         assert engine.adapter_calls[-1] == ("load_adapter", "ad-b", os.path.join(root, "ad-b"), None)
         assert "ad-b" in [c["id"] for c in client.get("/v1/models").json()["data"]]
         r = client.post("/v1/completions", json={"model": "ad-b", "prompt": "x", "max_tokens": 1})
-        assert r.status_code == 200 and engine.requests[-1].adapter == "ad-b"
+        assert r.status_code == 200 and engine.generate_requests[-1].adapter == "ad-b"
         r = client.post("/v1/load_lora_adapter", json={"lora_name": "ad-b", "lora_path": os.path.join(root, "ad-b")})
         assert r.status_code == 409 and r.json()["error"]["param"] == "lora_name"
         r = client.post("/v1/unload_lora_adapter", json={"lora_name": "ad-b", "lora_int_id": 2})

@@ -9,7 +9,7 @@ LoRA: an in-memory adapter table (`enable_lora` / `loras` as EngineArgs take the
 `load_adapter` checks what the engine checks (LoRA enabled, the path under --model-root, a PEFT
 folder with `adapter_config.json`, rank <= max_lora_rank, a free slot, a new name); a generate
 request naming an adapter that is not loaded on its model raises NotFound. Every generate
-request is kept in `requests`, every adapter call in `adapter_calls`.
+request is kept in `generate_requests`, every adapter call in `adapter_calls`.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class FakeEngine:
         self._loaded = True
         self.aborted: list[str] = []
         self.calls: list[str] = []
-        self.requests: list[GenerateRequest] = []            # every generate request, as received
+        self.generate_requests: list[GenerateRequest] = []   # every generate request, as received
         self.adapter_calls: list[tuple[Any, ...]] = []       # ("load_adapter", name, path, model), ...
         self._adapters: dict[str, AdapterInfo] = {}
         for name, path in self.args.loras:                   # --lora NAME=PATH: onto the default generator
@@ -200,7 +200,7 @@ class FakeEngine:
     # ------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         self.calls.append("generate")
-        self.requests.append(req)
+        self.generate_requests.append(req)
         if self._draining:
             raise Unavailable("server is draining; not accepting new requests")
         info = self.model_info(req.model, "generate")
