@@ -9,7 +9,8 @@ Then the section between `<!-- perf:begin -->` and `<!-- perf:end -->` in README
 rewritten from those files only: start time, parity with transformers, the test suite, the
 peer comparisons (transformers, sentence-transformers, and where the `bench` extra's libraries
 are installed llama.cpp and ONNX Runtime, each ratio with the peer's dtype or GGUF type),
-serving, the ragged step engine against the split engine it replaced, the decode profile.
+serving, the ragged step engine against the split engine it replaced, multi-LoRA decode, the
+decode profile.
 Every table names the results file it came from and the host it was measured on; nothing in
 it is typed in. Nothing else in README.md is touched. Without the markers, or in --quick mode
 (smoke numbers do not belong in the README), the section is printed instead, and always saved
@@ -31,6 +32,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common as C
 from benchmarks.constrained_decode import render as sec_constrained_decode
+from benchmarks.lora_decode import render as sec_lora_decode
 
 # job -> (module, extra args (quick), extra args (full), results file name (quick), (full))
 JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
@@ -40,6 +42,7 @@ JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "ragged_step": ("ragged_step", [], [], "ragged_step", "ragged_step"),
     "grammar_mask": ("grammar_mask", [], [], "grammar_mask", "grammar_mask"),
     "constrained_decode": ("constrained_decode", [], [], "constrained_decode", "constrained_decode"),
+    "lora_decode": ("lora_decode", [], [], "lora_decode", "lora_decode"),
     "profile_decode": ("profile_decode", [], [], "profile_decode", "profile_decode"),
     "profile_decode_batch": ("profile_decode", ["--batch", "4"], ["--batch", "16"],
                              "profile_decode_b4", "profile_decode_b16"),
@@ -699,8 +702,8 @@ def section(quick: bool) -> str:
     docs = {job: _load(result_name(job, quick), quick) for job in JOBS}
     for job, render in (("start_time", sec_start_time), ("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate),
                         ("serve_load", sec_serve), ("ragged_step", sec_ragged_step), ("grammar_mask", sec_grammar_mask),
-                        ("constrained_decode", sec_constrained_decode), ("parity", sec_parity),
-                        ("tests", sec_tests)):
+                        ("constrained_decode", sec_constrained_decode), ("lora_decode", sec_lora_decode),
+                        ("parity", sec_parity), ("tests", sec_tests)):
         if docs[job]:
             lines += render(docs[job], quick)
     if docs["profile_decode"]:
