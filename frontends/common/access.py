@@ -26,13 +26,14 @@ class AccessPolicy:
     admin_api_key: Optional[str] = None
     enable_admin: bool = False
 
-    def check(self, method: str, authorization: Optional[str]) -> Optional[EngineError]:
-        """`method` is "/package.Service/Method"; returns the refusal, or None to allow."""
+    def check(self, method: str, authorization: Optional[str], admin: Optional[bool] = None) -> Optional[EngineError]:
+        """`method` is "/package.Service/Method" (or an HTTP admin route's path with admin=True);
+        returns the refusal, or None to allow."""
         if method.startswith(f"/{HEALTH_SERVICE}/"):
             return None
         token = _bearer(authorization)
         is_admin_key = self.admin_api_key is not None and _same(token, self.admin_api_key)
-        if method in ADMIN_METHODS:
+        if method in ADMIN_METHODS if admin is None else admin:
             if not self.enable_admin:
                 return PermissionDenied(f"{method} is an admin operation; start the server with --enable-admin")
             if self.admin_api_key is not None:

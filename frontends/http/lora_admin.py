@@ -15,16 +15,16 @@ free slot 429, a path outside --model-root 403.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
+from frontends.common.access import AccessPolicy
 from frontends.http.openai_schema import _Strict, field_error
 from jax_engine.api import EngineAPI
-from jax_engine.errors import AlreadyExists, EngineError, NotFound, PermissionDenied, Unauthenticated
+from jax_engine.errors import AlreadyExists, EngineError, NotFound, PermissionDenied
 
 log = logging.getLogger("xlaserve.http")
 
@@ -55,36 +55,14 @@ _RESPONSES: dict = {
 
 def add_lora_admin_routes(app: FastAPI, *, api_key: Optional[str] = None, admin_api_key: Optional[str] = None) -> None:
     """Mount the two routes (the caller does so only with --enable-admin)."""
-    app.state.lora_admin_keys = (api_key, admin_api_key)
+    app.state.lora_admin_policy = AccessPolicy(api_key=api_key, admin_api_key=admin_api_key, enable_admin=True)
     app.include_router(router)
-
-
-def _bearer(request: Request) -> Optional[bytes]:
-    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-    token = token.strip()
-    return token.encode("utf-8") if scheme.lower() == "bearer" and token else None
-
-
-def _same(token: Optional[bytes], key: str) -> bool:
-    return token is not None and hmac.compare_digest(token, key.encode("utf-8"))
 
 
 async def _require_admin(request: Request) -> None:
     """The admin rule of the gRPC front and the JSON mirror (AccessPolicy), for these routes;
     a dependency, so it is decided before the body is validated."""
-    path = request.url.path
-    api_key, admin_api_key = request.app.state.lora_admin_keys
-    token = _bearer(request)
-    refusal: Optional[EngineError] = None
-    if admin_api_key is not None:
-        if _same(token, admin_api_key):
-            return
-        if api_key is not None and _same(token, api_key):
-            refusal = PermissionDenied(f"{path} needs the admin API key")
-        else:
-            refusal = Unauthenticated(f"{path} needs 'Authorization: Bearer <admin key>'")
-    elif api_key is not None and not _same(token, api_key):
-        refusal = Unauthenticated("missing or invalid API key (send 'Authorization: Bearer KEY')")
+    refusal = request.app.state.lora_admin_policy.check(request.url.path, request.headers.get("authorization"), admin=True)
     if refusal is not None:
         raise refusal
 
