@@ -541,25 +541,31 @@ def measure_load(bench: Bench, path: str, n: int, rank: int) -> dict:
 # the LoRA term: stacked (the engine's) vs gathered
 # =============================================================================================
 def gathered_terms(h, a, act, lb: dict, slot, group: int):
-    """Each token's own slot's A and B gathered ([T, in, R], [T, R, out]), then batched matmuls;
-    slot 0 (the base model) adds nothing. Same outputs as models/lora.py's four terms."""
+    """Each token's own slot's A and B gathered (A: [in, T, R], B: [T, R, out]), then batched
+    matmuls; slot 0 (the base model) adds nothing. Same outputs as models/lora.py's four terms.
+    `lb` is one layer's bank slice (jax_engine/lora/bank.py: the slot axis before R in an A,
+    first in a B)."""
     import jax.numpy as jnp
-    import numpy as np
 
     idx = jnp.maximum(slot - 1, 0)
     on = (slot > 0).astype(h.dtype)
     f32 = jnp.float32
 
     def xa_of(spec, x, arr):
-        xa = jnp.einsum(spec, x, arr[idx], preferred_element_type=f32)
+        xa = jnp.einsum(spec, x, jnp.take(arr, idx, axis=arr.ndim - 2), preferred_element_type=f32)
         return (xa * on.reshape((-1,) + (1,) * (xa.ndim - 1))).astype(x.dtype)
 
-    which = np.array([0] * group + [1, 2])
-    xa = xa_of("th,thcr->tcr", h, lb["qkv_a"])[:, which]                  # [T, G+2, R]
-    qkv = jnp.einsum("tgr,trkgd->tkgd", xa, lb["qkv_b"][idx], preferred_element_type=f32)
-    o = jnp.einsum("tr,trh->th", xa_of("tkgd,tkgdr->tr", a, lb["o_a"]), lb["o_b"][idx], preferred_element_type=f32)
-    gu = jnp.einsum("tcr,trci->tci", xa_of("th,thcr->tcr", h, lb["gu_a"]), lb["gu_b"][idx], preferred_element_type=f32)
-    down = jnp.einsum("tr,trh->th", xa_of("ti,tir->tr", act, lb["down_a"]), lb["down_b"][idx], preferred_element_type=f32)
+    def b_of(spec, xa, arr):
+        return jnp.einsum(spec, xa, arr[idx], preferred_element_type=f32)
+
+    xa = xa_of("th,hctr->tcr", h, lb["qkv_a"])                                # [T, 3, R]
+    q = b_of("tr,trkgd->tkgd", xa[:, 0], lb["q_b"])
+    k, v = b_of("tr,trkd->tkd", xa[:, 1], lb["k_b"]), b_of("tr,trkd->tkd", xa[:, 2], lb["v_b"])
+    qkv = jnp.concatenate([q, k[:, :, None], v[:, :, None]], axis=2)
+    o = b_of("tr,trh->th", xa_of("tkgd,kgdtr->tr", a, lb["o_a"]), lb["o_b"])
+    xg = xa_of("th,hctr->tcr", h, lb["gu_a"])
+    gu = jnp.stack([b_of("tr,tri->ti", xg[:, 0], lb["gate_b"]), b_of("tr,tri->ti", xg[:, 1], lb["up_b"])], axis=1)
+    down = b_of("tr,trh->th", xa_of("ti,itr->tr", act, lb["down_a"]), lb["down_b"])
     return qkv, o, gu, down
 
 
@@ -567,8 +573,9 @@ def stacked_terms(h, a, act, lb: dict, slot, group: int):
     """The engine's LoRA term for the four matrices (jax_engine/models/lora.py)."""
     from jax_engine.models import lora as L
 
-    m = L.token_mask(slot, lb["qkv_a"].shape[0], h.dtype)
-    return (L.qkv_delta(h, lb, m, group), L.o_delta(a, lb, m), L.gate_up_delta(h, lb, m), L.down_delta(act, lb, m))
+    slots, rank = lb["down_a"].shape[-2:]
+    m = L.token_mask(slot, slots, rank, h.dtype)
+    return (L.qkv_delta(h, lb, m), L.o_delta(a, lb, m), L.gate_up_delta(h, lb, m), L.down_delta(act, lb, m))
 
 
 def base_matmuls(h, a, act, w: dict):
@@ -584,7 +591,7 @@ def kernel_inputs(cfg, T: int, slots: int, rank: int, seed: int = 0) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_engine.lora.adapter import array_shapes
+    from jax_engine.lora.bank import bank_shapes
 
     rng = np.random.default_rng(seed)
     H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -594,7 +601,7 @@ def kernel_inputs(cfg, T: int, slots: int, rank: int, seed: int = 0) -> dict:
     def rand(*shape, scale=1.0):
         return jnp.asarray((rng.standard_normal(shape, np.float32) * scale).astype(np.float32))
 
-    lb = {k: rand(slots, *s[1:], scale=0.05) for k, s in array_shapes(cfg, rank).items()}
+    lb = {k: rand(*s[1:], scale=0.05) for k, s in bank_shapes(cfg, slots, rank).items()}   # one layer
     w = {"qkv": rand(H, kvh, G + 2, D, scale=0.02), "o": rand(kvh, G, D, H, scale=0.02),
          "gate_up": rand(H, 2, I, scale=0.02), "down": rand(I, H, scale=0.02)}
     return {"h": rand(T, H), "a": rand(T, kvh, G, D), "act": rand(T, I), "lb": lb, "w": w,

@@ -14,8 +14,13 @@ Programs (each compiled ahead of time per bucket at warmup, looked up through Pr
   copy_page                   copy-on-write of a partially filled page for n > 1 forks
   set_slot                    (re)initialise a row of the penalty state
   lora_write                  (LoRA enabled) write one adapter into a slot of the LoRA bank, so
-                              loading an adapter compiles nothing; the step programs then also
-                              take the bank and each token's slot (jax_engine/lora/bank.py)
+                              loading an adapter compiles nothing
+With LoRA enabled each step bucket has a second variant, key (T, P, "lora"), that also takes the
+bank and each token's slot (jax_engine/lora/bank.py) and adds the LoRA term; a step with no
+adapter row runs the plain program. Why two programs rather than one with the term behind a
+`lax.cond`: the cond cost base-model steps 5-6 % ('small', batch 16, 4 slots of rank 16: 421
+vs 449 tok/s, benchmarks/lora_decode.py), for twice the step programs' compile time only on
+servers started with LoRA.
 Why the draw is fused although it triples a step program's compile time (demo model, T = 16:
 0.3 s bare, 0.84 s greedy, 2.51 s sampling): as a program of its own after a bare step it cost
 a decode step 1.9 ms greedy ('small' model, 4 rows: 16.1 vs 14.2 ms) and 7.8 ms sampling (16
@@ -352,14 +357,14 @@ class ModelRunner:
         inp = StepInputs(*self._put(tokens, positions, slots, row_of, kv_limit, table, kv_lens, cu,
                                     np.array([len(rows)], np.int32)))
         sample_idx, slot_ids = self._put(sample_idx, slot_ids)
-        if self.lora is None:
-            if lora_slot.any():
+        key: tuple = (T, Pb)
+        lora = None
+        if lora_slot.any():
+            if self.lora is None:
                 raise ValueError("a row carries a LoRA slot but LoRA is not enabled")
-            lora = None
-        else:
-            lora = (self.lora, self._put(lora_slot)[0])
-        return (T, Pb), (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, R),
-                         self._mask_arg(masks, R), lora)
+            lora, key = (self.lora, self._put(lora_slot)[0]), (T, Pb, "lora")
+        return key, (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, R),
+                     self._mask_arg(masks, R), lora)
 
     @mirrored
     def step(self, rows: list[StepRow], greedy: bool, masks: Optional[np.ndarray] = None) -> StepResult:
@@ -426,7 +431,8 @@ class ModelRunner:
             for Pb in self.page_buckets:
                 # a step needing this page bucket holds at most max_running rows of Pb * ps tokens
                 if lower < mr * Pb * ps or Pb == self.page_buckets[-1]:
-                    keys += [("step_greedy", (T, Pb)), ("step_sample", (T, Pb))]
+                    for k in [(T, Pb)] + ([(T, Pb, "lora")] if self.lora is not None else []):
+                        keys += [("step_greedy", k), ("step_sample", k)]
         keys += [("prompt_logprobs", (T,)) for T in self.lp_buckets]
         keys += [("lora_write", ())] if self.lora is not None else []
         return keys + [("copy_page", ()), ("set_slot", ())]
@@ -434,13 +440,14 @@ class ModelRunner:
     def _example(self, prog: str, key: tuple) -> tuple:
         """Arguments with the exact shapes the serving path builds for (prog, key)."""
         if prog in ("step_greedy", "step_sample"):
-            T, Pb = key
+            T, Pb = key[:2]
             span = Pb * self.rc.page_size
             k = min(self.rows_for(T), -(-T // span))         # rows of up to `span` tokens each
             sizes = [T // k + (1 if i < T % k else 0) for i in range(k)]
             temp = 0.0 if prog == "step_greedy" else 1.0
             rows = [StepRow(tokens=[0] * n, start=max(0, span - n), pages=[0] * Pb,
-                            samples=[SampleRow(self.dummy_slot, SamplingRow(temperature=temp))]) for n in sizes]
+                            samples=[SampleRow(self.dummy_slot, SamplingRow(temperature=temp))],
+                            lora_slot=1 if len(key) > 2 else 0) for n in sizes]
             got_key, args = self._step_args(rows)
             assert got_key == key, (got_key, key)
             return args

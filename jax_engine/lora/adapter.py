@@ -4,14 +4,14 @@ PEFT stores, per adapted module, lora_A [r, in] and lora_B [out, r] and applies
 y += B(A(x)) * scaling with scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
 Here the scaling is folded into B, the rank is zero-padded to --max-lora-rank, and the matrices
 are laid out like the base weights they adapt (jax_engine/models/llama.py), so the step program
-adds the contribution with one pair of einsums per fused matrix:
+adds the contribution with plain 2-D GEMMs (jax_engine/models/lora.py):
   qkv_a [L, H, 3, R]           A of q, k, v (the three share the layer's normed input)
-  qkv_b [L, R, KVH, G+2, D]    B of q (the G query slots), k (slot G), v (slot G+1)
+  q_b [L, R, KVH, G, D]        k_b, v_b [L, R, KVH, D]
   o_a   [L, KVH, G, D, R]      o_b [L, R, H]
-  gu_a  [L, H, 2, R]           gu_b [L, R, 2, I]   (gate, up)
+  gu_a  [L, H, 2, R]           A of gate, up;  gate_b, up_b [L, R, I]
   down_a [L, I, R]             down_b [L, R, H]
 A module the adapter leaves alone has zero A and B. With KV heads replicated for tensor
-parallelism (kv_repeat) qkv_b and o_a are regrouped exactly as the base qkv and o are.
+parallelism (kv_repeat) q/k/v_b and o_a are regrouped exactly as the base qkv and o are.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from jax_engine.errors import InvalidRequest
 from jax_engine.models.llama import LlamaConfig
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ARRAYS = ("qkv_a", "qkv_b", "o_a", "o_b", "gu_a", "gu_b", "down_a", "down_b")
+ARRAYS = ("qkv_a", "q_b", "k_b", "v_b", "o_a", "o_b", "gu_a", "gate_b", "up_b", "down_a", "down_b")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -51,9 +51,9 @@ def array_shapes(cfg: LlamaConfig, rank: int) -> dict[str, tuple[int, ...]]:
     L, H, D, I = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     kvh = cfg.num_kv_heads * cfg.kv_repeat
     G = cfg.num_heads // kvh
-    return {"qkv_a": (L, H, 3, rank), "qkv_b": (L, rank, kvh, G + 2, D), "o_a": (L, kvh, G, D, rank),
-            "o_b": (L, rank, H), "gu_a": (L, H, 2, rank), "gu_b": (L, rank, 2, I),
-            "down_a": (L, I, rank), "down_b": (L, rank, H)}
+    return {"qkv_a": (L, H, 3, rank), "q_b": (L, rank, kvh, G, D), "k_b": (L, rank, kvh, D), "v_b": (L, rank, kvh, D),
+            "o_a": (L, kvh, G, D, rank), "o_b": (L, rank, H), "gu_a": (L, H, 2, rank), "gate_b": (L, rank, I),
+            "up_b": (L, rank, I), "down_a": (L, I, rank), "down_b": (L, rank, H)}
 
 
 def _config(path: str) -> dict:
@@ -154,9 +154,11 @@ def load_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: int, dtype: n
         pairs = [regroup_kv(qkv_b[li], o_a[li], cfg.kv_repeat) for li in range(L)]
         qkv_b = np.stack([p[0] for p in pairs])
         o_a = np.stack([p[1] for p in pairs])
-    arrays = dict(qkv_a=qkv_a, qkv_b=qkv_b, o_a=o_a, o_b=o_b, gu_a=gu_a, gu_b=gu_b, down_a=down_a, down_b=down_b)
+    Gr = qkv_b.shape[3] - 2                  # query heads per (replicated) KV head
+    arrays = dict(qkv_a=qkv_a, q_b=qkv_b[:, :, :, :Gr], k_b=qkv_b[:, :, :, Gr], v_b=qkv_b[:, :, :, Gr + 1],
+                  o_a=o_a, o_b=o_b, gu_a=gu_a, gate_b=gu_b[:, :, 0], up_b=gu_b[:, :, 1], down_a=down_a, down_b=down_b)
     want = array_shapes(cfg, R)
     assert all(arrays[k].shape == want[k] for k in ARRAYS), {k: arrays[k].shape for k in ARRAYS}
     targets = sorted({mod for _, mod in A}, key=MODULES.index)
     return LoraAdapter(name=name, path=os.path.abspath(path), rank=r, alpha=alpha, scaling=scaling,
-                       target_modules=targets, arrays={k: v.astype(dtype) for k, v in arrays.items()})
+                       target_modules=targets, arrays={k: np.ascontiguousarray(v, dtype=dtype) for k, v in arrays.items()})

@@ -222,7 +222,8 @@ def forward(
     """Run all layers; returns (final-normed hidden [T, H], k_cache, v_cache).
 
     `lora` = (the adapter bank [L, S, ...] of jax_engine/lora/bank.py, each token's 1-based slot
-    [T], 0 = none): every layer matrix gets its rows' LoRA term, skipped when no token has a slot.
+    [T], 0 = none): every layer matrix gets its tokens' LoRA term. The runner passes None for a
+    step without an adapter row (a program compiled without the term, jax_engine/decode/runner.py).
 
     The caches' layout belongs to the attention backend (jax_engine/attention/; the reference's
     is [L, num_pages * page_size, KVH, D]); they travel in the scan carry and are updated with
@@ -248,21 +249,15 @@ def forward(
     kvh_r = cfg.num_kv_heads * cfg.kv_repeat
     if lora is not None:
         bank, lora_slot = lora
-        lora_on = jnp.any(lora_slot > 0)
-        lora_mask = lora_terms.token_mask(lora_slot, bank["qkv_a"].shape[1], x.dtype)   # [T, S]
+        lora_mask = lora_terms.token_mask(lora_slot, *bank["down_a"].shape[-2:], x.dtype)   # [T, S*R]
+        xs = {**xs, **{"lora/" + k: v for k, v in bank.items()}}
 
-    def plus_lora(li, y, term):
-        """y [1, T, ...] plus its LoRA term (term(layer li's bank slice): [T, ...]) when any token
-        has an adapter. The bank is sliced inside the taken branch, not scanned over: as scan
-        inputs its slices were copied every step, which cost base-model steps 6 % ('small',
-        batch 16, 4 slots of rank 16: 421 vs 449 tok/s, benchmarks/lora_decode.py)."""
+    def plus_lora(lp, y, term):
+        """y [1, T, ...] plus its LoRA term (term(this layer's bank slice): [T, ...])."""
         if lora is None:
             return y
-
-        def add(y):
-            lb = {k: jax.lax.dynamic_index_in_dim(v, li, 0, keepdims=False) for k, v in bank.items()}
-            return y + term(lb)[None].astype(y.dtype)
-        return jax.lax.cond(lora_on, add, lambda y: y, y)
+        lb = {k[5:]: v for k, v in lp.items() if k.startswith("lora/")}
+        return y + term(lb)[None].astype(y.dtype)
 
     def mm(name, lp, li, v, out_tail):
         """One layer matmul; out_tail (the unsharded output dims) is what the kernel path needs."""
@@ -276,7 +271,7 @@ def forward(
         x, kc, vc, li = carry
         h = rms_norm(x, lp["ln1"], cfg.rms_eps)
         qkv = mm("qkv", lp, li, h, (kvh_r, G + 2, cfg.head_dim))   # [B, Tq, KVH, G+2, D]
-        qkv = plus_lora(li, qkv, lambda lb: lora_terms.qkv_delta(h[0], lb, lora_mask, G))
+        qkv = plus_lora(lp, qkv, lambda lb: lora_terms.qkv_delta(h[0], lb, lora_mask))
         if cfg.qkv_bias:
             qkv = qkv + lp["qkv_b"].astype(qkv.dtype)
         q, k, v = qkv[..., :G, :], qkv[..., G, :], qkv[..., G + 1, :]
@@ -287,12 +282,12 @@ def forward(
         k = rope(k, q_pos, inv_freq, cfg.rope_attention_factor)
         kc, vc = attn.write(kc, vc, li, k[0], v[0], meta)
         a = attn.attend(q[0], kc, vc, li, meta).astype(x.dtype)[None]   # [1, T, KVH, G, D]
-        x = x + plus_lora(li, mm("o", lp, li, a, (cfg.hidden_size,)), lambda lb: lora_terms.o_delta(a[0], lb, lora_mask))
+        x = x + plus_lora(lp, mm("o", lp, li, a, (cfg.hidden_size,)), lambda lb: lora_terms.o_delta(a[0], lb, lora_mask))
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
         gu = mm("gate_up", lp, li, h, (2, cfg.intermediate_size))
-        gu = plus_lora(li, gu, lambda lb: lora_terms.gate_up_delta(h[0], lb, lora_mask))
+        gu = plus_lora(lp, gu, lambda lb: lora_terms.gate_up_delta(h[0], lb, lora_mask))
         act = jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
-        x = x + plus_lora(li, mm("down", lp, li, act, (cfg.hidden_size,)),
+        x = x + plus_lora(lp, mm("down", lp, li, act, (cfg.hidden_size,)),
                           lambda lb: lora_terms.down_delta(act[0], lb, lora_mask))
         return (x, kc, vc, li + 1), None
 
