@@ -17,10 +17,12 @@ Programs (each compiled ahead of time per bucket at warmup, looked up through Pr
                               loading an adapter compiles nothing
 With LoRA enabled each step bucket has a second variant, key (T, P, "lora"), that also takes the
 bank and each token's slot (jax_engine/lora/bank.py) and adds the LoRA term; a step with no
-adapter row runs the plain program. Why two programs rather than one with the term behind a
-`lax.cond`: the cond cost base-model steps 5-6 % ('small', batch 16, 4 slots of rank 16: 421
-vs 449 tok/s, benchmarks/lora_decode.py), for twice the step programs' compile time only on
-servers started with LoRA.
+adapter row runs the plain program, so base-model traffic runs exactly what a server without
+LoRA runs. The alternative, one program with the term behind a `lax.cond`, measured the same
+within this host's engine-to-engine noise ('small', batch 16, 4 slots of rank 16: base 421 vs
+449 tok/s with LoRA off; with two programs 402 vs 434, where both engines run the identical
+base program): the split is for the guarantee, at twice the step programs' compile time, and
+only on servers started with LoRA.
 Why the draw is fused although it triples a step program's compile time (demo model, T = 16:
 0.3 s bare, 0.84 s greedy, 2.51 s sampling): as a program of its own after a bare step it cost
 a decode step 1.9 ms greedy ('small' model, 4 rows: 16.1 vs 14.2 ms) and 7.8 ms sampling (16
