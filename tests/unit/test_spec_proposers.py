@@ -1,0 +1,216 @@
+"""The draft-free proposers of jax_engine/spec (issue 20): n-gram prompt lookup and suffix decoding.
+
+What they must do, checked on token lists: a repeated span is proposed, the longest match wins,
+k bounds the proposal, text without repeats gets nothing, the global suffix cache proposes an
+earlier request's answer to a repeated prompt, its token budget holds under eviction (LRU by
+request), proposals follow frequency and stop under the probability threshold, and the same
+inputs always give the same proposals (incremental updates included).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jax_engine.spec import make_speculator
+from jax_engine.spec.ngram import NgramProposer, NgramSpeculator
+from jax_engine.spec.suffix import SuffixCache, SuffixIndex
+
+
+def reference_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup by brute force: longest n first, its most recent earlier occurrence with a
+    next token, continued as if the text repeats (ext[L + j] = ext[e + j])."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        for e in range(L - 1, n - 1, -1):
+            if tokens[e - n:e] == tokens[L - n:]:
+                ext = list(tokens)
+                for j in range(k):
+                    ext.append(ext[e + j])
+                return ext[L:]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# n-gram prompt lookup
+# ---------------------------------------------------------------------------------------------
+def test_ngram_proposes_the_repeated_span():
+    seq = list(range(1, 11)) + [50, 51] + [1, 2, 3]
+    assert NgramProposer().propose(seq, 4) == [4, 5, 6, 7]
+
+
+def test_ngram_longest_match_wins_over_a_more_recent_shorter_one():
+    # (1, 2, 3) was followed by 40; the more recent (2, 3) by 41
+    seq = [5, 1, 2, 3, 40, 8, 2, 3, 41, 9, 1, 2, 3]
+    assert NgramProposer(max_n=3, min_n=1).propose(seq, 2) == [40, 8]
+    # with only bigrams allowed, the most recent bigram match wins
+    assert NgramProposer(max_n=2, min_n=2).propose(seq, 2) == [41, 9]
+
+
+def test_ngram_respects_k_and_proposes_nothing_without_repeats():
+    seq = list(range(20)) * 3
+    p = NgramProposer()
+    for k in range(0, 9):
+        out = p.propose(seq, k)
+        assert len(out) == k and out == [(20 + i) % 20 for i in range(k)]
+    assert NgramProposer().propose(list(range(200)), 8) == []
+    assert NgramProposer().propose([7], 8) == []
+
+
+def test_ngram_run_of_one_token_continues_past_the_end():
+    assert NgramProposer().propose([3, 9, 9, 9, 9], 6) == [9] * 6
+
+
+def test_ngram_incremental_matches_brute_force_reference():
+    rng = random.Random(0)
+    for trial in range(6):
+        max_n, min_n = rng.choice([(4, 1), (5, 2), (3, 3)])
+        seq = [rng.randrange(4) for _ in range(8)]
+        p = NgramProposer(max_n=max_n, min_n=min_n)
+        for _ in range(150):
+            k = rng.randrange(0, 9)
+            assert p.propose(seq, k) == reference_ngram(seq, k, max_n, min_n)
+            seq += [rng.randrange(4)] * rng.choice([1, 1, 2])
+
+
+def test_ngram_restarts_on_a_different_sequence():
+    p = NgramProposer()
+    p.propose([1, 2, 3, 1, 2], 2)
+    assert p.propose([8, 9, 8], 2) == reference_ngram([8, 9, 8], 2, 5, 2)
+    p.finish([8, 9, 8])
+    assert p.propose([4, 5, 4, 5], 3) == [4, 5, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# suffix decoding: the per-request index
+# ---------------------------------------------------------------------------------------------
+def test_suffix_proposes_a_span_of_its_own_prompt():
+    prompt = list(range(1, 31)) + [99] + list(range(1, 11))
+    cache = SuffixCache()
+    assert cache.start(prompt).propose(prompt, 8) == list(range(11, 19))
+
+
+def test_suffix_proposal_length_grows_with_the_match():
+    # a 2-token match earns at most 2 tokens (spec_factor 1), an 8-token match 8
+    seq = list(range(1, 31)) + [99, 1, 2]
+    p = SuffixCache().start(seq)
+    assert p.propose(seq, 8) == [3, 4]
+    seq = seq + [3, 4, 5, 6, 7, 8]
+    assert p.propose(seq, 8) == list(range(9, 17))
+    assert SuffixCache(spec_factor=0.5).start(seq).propose(seq, 8) == [9, 10, 11, 12]
+
+
+def test_suffix_respects_k_and_proposes_nothing_without_repeats():
+    seq = list(range(40)) * 2
+    p = SuffixCache().start(seq)
+    for k in range(0, 10):
+        assert p.propose(seq, k) == list(range(k))
+    fresh = list(range(300))
+    assert SuffixCache().start(fresh).propose(fresh, 8) == []
+
+
+def test_suffix_follows_the_most_frequent_continuation():
+    # (5, 6) was followed by 7 three times and by 8 once: 7 wins, probability 3/4
+    seq = [5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 8, 3, 5, 6, 7, 4, 5, 6]
+    assert SuffixCache().start(seq).propose(seq, 1) == [7]
+    # the next token after 7 is 1, 2 or 4 (1/3 each, the most recent on a tie): path probability 1/4
+    assert SuffixCache().start(seq).propose(seq, 2) == [7, 4]
+    assert SuffixCache(min_token_prob=0.3).start(seq).propose(seq, 2) == [7]
+    # ... and nothing when the threshold asks for more confidence than 3/4
+    assert SuffixCache(min_token_prob=0.8).start(seq).propose(seq, 2) == []
+
+
+def test_suffix_stops_when_continuations_disagree():
+    # after (5, 6) twelve different tokens: none has probability >= 0.1
+    seq = [t for i in range(12) for t in (5, 6, 100 + i)] + [5, 6]
+    assert SuffixCache().start(seq).propose(seq, 4) == []
+    assert SuffixCache(min_token_prob=0.05).start(seq).propose(seq, 1) == [111]   # ties: most recent
+
+
+def test_suffix_incremental_equals_fresh_and_is_deterministic():
+    rng = random.Random(1)
+    seq = [rng.randrange(6) for _ in range(30)]
+    inc = SuffixCache().start(seq)
+    for _ in range(120):
+        k = rng.randrange(1, 9)
+        got = inc.propose(seq, k)
+        assert got == SuffixCache().start(seq).propose(seq, k) == SuffixCache().start(seq).propose(seq, k)
+        seq += got[:rng.randrange(0, len(got) + 1)] + [rng.randrange(6)]
+
+
+# ---------------------------------------------------------------------------------------------
+# suffix decoding: the global cache of earlier outputs
+# ---------------------------------------------------------------------------------------------
+PROMPT = [200 + i for i in range(40)]
+ANSWER = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 11, 12]
+
+
+def test_global_cache_proposes_the_earlier_answer_to_a_repeated_prompt():
+    cache = SuffixCache()
+    first = cache.start(PROMPT)
+    assert first.propose(PROMPT, 8) == []                    # nothing seen yet
+    first.finish(PROMPT + ANSWER)
+    again = cache.start(PROMPT)
+    assert again.propose(PROMPT, 8) == ANSWER[:8]             # from the very first output token
+    assert again.propose(PROMPT + ANSWER[:5], 8) == ANSWER[5:]   # and on as the answer repeats
+    assert cache.start([1, 2, 3]).propose([1, 2, 3], 8) == []   # an unrelated prompt gets nothing
+
+
+def test_global_cache_with_a_prompt_shorter_than_its_context():
+    cache = SuffixCache()
+    cache.start([1, 2, 3]).finish([1, 2, 3] + ANSWER)
+    # the whole 3-token prompt matches: a 3-token match earns 3 tokens (spec_factor 1)
+    assert cache.start([1, 2, 3]).propose([1, 2, 3], 8) == ANSWER[:3]
+
+
+def test_aborted_request_is_not_cached():
+    cache = SuffixCache()
+    cache.start(PROMPT).finish(None)
+    assert len(cache) == 0 and cache.cached_tokens == 0
+    assert cache.start(PROMPT).propose(PROMPT, 4) == []
+
+
+def _index_docs(index: SuffixIndex) -> set[int]:
+    """Doc ids referenced by any occurrence in the index."""
+    return {p >> 32 for table in index._tables for occ in table.values() for p in occ}
+
+
+def test_global_cache_token_bound_holds_under_eviction():
+    cap, tail = 100, 4
+    cache = SuffixCache(max_cached_tokens=cap, prompt_context=tail)
+    rng = random.Random(2)
+    for r in range(25):
+        prompt = [1000 + r] * 5 + [rng.randrange(50) for _ in range(10)]
+        out = [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+        cache.start(prompt).finish(prompt + out)
+        assert cache.cached_tokens <= cap
+        assert cache.cached_tokens == sum(len(d) for d in cache.index.docs.values())
+        assert _index_docs(cache.index) <= set(cache.index.docs)      # evicted docs left no occurrences
+    huge = list(range(5000, 5300))
+    cache.start(huge[:10]).finish(huge)                               # longer than the budget: its tail is kept
+    assert cache.cached_tokens == cap and len(cache) == 1
+
+
+def test_global_cache_evicts_the_least_recently_used_request():
+    size = 8 + len(ANSWER)                                     # prompt tail + answer per cached request
+    cache = SuffixCache(max_cached_tokens=3 * size, prompt_context=8)
+    prompts = {name: [base + i for i in range(20)] for name, base in (("a", 300), ("b", 400), ("c", 500), ("d", 600))}
+    answers = {name: [base + t for t in ANSWER] for name, base in (("a", 30), ("b", 40), ("c", 50), ("d", 60))}
+    for name in "abc":
+        cache.start(prompts[name]).finish(prompts[name] + answers[name])
+    assert cache.start(prompts["a"]).propose(prompts["a"], 4) == answers["a"][:4]    # a is used: most recent now
+    cache.start(prompts["d"]).finish(prompts["d"] + answers["d"])                   # evicts b, the oldest unused
+    assert cache.start(prompts["b"]).propose(prompts["b"], 4) == []
+    for name in "acd":
+        assert cache.start(prompts[name]).propose(prompts[name], 4) == answers[name][:4]
+
+
+def test_make_speculator():
+    assert make_speculator("off") is None
+    assert isinstance(make_speculator("ngram", max_n=3), NgramSpeculator)
+    suffix = make_speculator("suffix", max_cached_tokens=10)
+    assert isinstance(suffix, SuffixCache) and suffix.max_cached_tokens == 10
+    with pytest.raises(ValueError):
+        make_speculator("medusa")
+    with pytest.raises(ValueError):
+        NgramProposer(max_n=2, min_n=3)
