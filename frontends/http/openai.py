@@ -112,15 +112,21 @@ def _resolve_generate(engine: EngineAPI, name: Optional[str]) -> tuple[ModelInfo
     name of a loaded LoRA adapter, which runs on its base model (that model's tokenizer and chat
     template). Returns (the model, the adapter or None); unknown names are 404 (param `model`)."""
     _check_serving(engine)
-    if name and not any(m.name == name for m in engine.models()):
-        adapter = next((a for a in engine.adapters() if a.name == name), None)
-        if adapter is not None:
-            if adapter.state != "loaded":
-                err = NotFound(f"LoRA adapter {name!r} is being unloaded")
-                err.param = "model"  # type: ignore[attr-defined]
-                raise err
-            return _resolve(engine, adapter.model, "generate"), name
+    adapter = _adapter_named(engine, name)
+    if adapter is not None:
+        if adapter.state != "loaded":
+            err = NotFound(f"LoRA adapter {name!r} is being unloaded")
+            err.param = "model"  # type: ignore[attr-defined]
+            raise err
+        return _resolve(engine, adapter.model, "generate"), name
     return _resolve(engine, name, "generate"), None
+
+
+def _adapter_named(engine: EngineAPI, name: Optional[str]) -> Optional[AdapterInfo]:
+    """The loaded LoRA adapter called `name` when no served model is (model names win)."""
+    if not name or any(m.name == name for m in engine.models()):
+        return None
+    return next((a for a in engine.adapters() if a.name == name), None)
 
 
 def _set_outcome(request: Request, outcome: str) -> None:

@@ -19,7 +19,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from frontends.http.openai import _ERROR_RESPONSES, _chat_chars, _check_serving, _engine, _render_chat, _resolve
+from frontends.http.openai import (
+    _ERROR_RESPONSES,
+    _adapter_named,
+    _chat_chars,
+    _check_serving,
+    _engine,
+    _render_chat,
+    _resolve,
+)
 from frontends.http.openai_schema import ChatMessage, _Strict, field_error
 from jax_engine.api import TOKENIZE_INLINE_CHARS, EngineAPI, Tokenizer
 from jax_engine.types import ModelInfo
@@ -89,8 +97,10 @@ class _TemplateFlags:
 
 
 def _model(engine: EngineAPI, name: Optional[str]) -> ModelInfo:
+    """A served model, or a LoRA adapter's base model (its tokenizer is the base model's)."""
     _check_serving(engine)
-    return _resolve(engine, name or engine.default_model("generate"), None)
+    adapter = _adapter_named(engine, name)
+    return _resolve(engine, adapter.model if adapter is not None else name or engine.default_model("generate"), None)
 
 
 def _token_strs(tokenizer: Tokenizer, ids: list[int]) -> list[str]:

@@ -296,6 +296,18 @@ def test_openai_model_names_an_adapter(engine):
             assert r.status_code == 404 and r.json()["error"]["param"] == "model", route
 
 
+def test_tokenize_with_an_adapter_name_uses_its_base_tokenizer(engine):
+    with http_client(engine) as client:
+        via_adapter = client.post("/tokenize", json={"model": "ad-a", "prompt": "hello there"})
+        via_base = client.post("/tokenize", json={"model": FAKE_GEN, "prompt": "hello there"})
+        assert via_adapter.status_code == 200, via_adapter.text
+        assert via_adapter.json()["tokens"] == via_base.json()["tokens"] and via_adapter.json()["count"] > 0
+        r = client.post("/detokenize", json={"model": "ad-a", "tokens": via_base.json()["tokens"]})
+        assert r.status_code == 200 and r.json()["prompt"] == client.post(
+            "/detokenize", json={"model": FAKE_GEN, "tokens": via_base.json()["tokens"]}).json()["prompt"]
+        assert client.post("/tokenize", json={"model": "no-such-adapter", "prompt": "x"}).status_code == 404
+
+
 def test_openai_models_lists_adapters_with_parent(engine):
     with http_client(engine) as client:
         cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
