@@ -28,7 +28,8 @@ from jax_engine.checkpoint.layout import regroup_kv
 from jax_engine.errors import InvalidRequest
 from jax_engine.models.llama import LlamaConfig
 
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")      # the last two: Phi-3's fused matrices (one A, B split by rows)
 ARRAYS = ("qkv_a", "q_b", "k_b", "v_b", "o_a", "o_b", "gu_a", "gate_b", "up_b", "down_a", "down_b")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -103,8 +104,10 @@ def load_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: int, dtype: n
     L, H, D, I = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     nh, kvh = cfg.num_heads, cfg.num_kv_heads
     G = nh // kvh
-    ins = {"q_proj": H, "k_proj": H, "v_proj": H, "o_proj": nh * D, "gate_proj": H, "up_proj": H, "down_proj": I}
-    outs = {"q_proj": nh * D, "k_proj": kvh * D, "v_proj": kvh * D, "o_proj": H, "gate_proj": I, "up_proj": I, "down_proj": H}
+    ins = {"q_proj": H, "k_proj": H, "v_proj": H, "o_proj": nh * D, "gate_proj": H, "up_proj": H, "down_proj": I,
+           "qkv_proj": H, "gate_up_proj": H}
+    outs = {"q_proj": nh * D, "k_proj": kvh * D, "v_proj": kvh * D, "o_proj": H, "gate_proj": I, "up_proj": I,
+            "down_proj": H, "qkv_proj": (nh + 2 * kvh) * D, "gate_up_proj": 2 * I}
     A: dict[tuple[int, str], np.ndarray] = {}
     B: dict[tuple[int, str], np.ndarray] = {}
     for key in reader.keys():
@@ -112,6 +115,10 @@ def load_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: int, dtype: n
         if m is None or m.group(3) not in MODULES:
             raise InvalidRequest(f"lora: tensor {key!r} adapts a module that is not supported "
                                  f"(LoRA on {', '.join(MODULES)} only)")
+        fused_model = cfg.model_type == "phi3"
+        if (m.group(3) in ("qkv_proj", "gate_up_proj") and not fused_model) or (
+                fused_model and m.group(3) in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            raise InvalidRequest(f"lora: tensor {key!r} names a module model type {cfg.model_type!r} does not have")
         layer, mod, ab = int(m.group(1)), m.group(3), m.group(4)
         if layer >= L:
             raise InvalidRequest(f"lora: tensor {key!r} names layer {layer} but the model has {L}")
@@ -131,8 +138,16 @@ def load_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: int, dtype: n
     o_a, o_b = z((L, kvh, G, D, R), np.float32), z((L, R, H), np.float32)
     gu_a, gu_b = z((L, H, 2, R), np.float32), z((L, R, 2, I), np.float32)
     down_a, down_b = z((L, I, R), np.float32), z((L, R, H), np.float32)
+    parts: list[tuple[int, str, np.ndarray, np.ndarray]] = []     # (layer, unfused module, A, B)
     for (li, mod), a in A.items():
         b = B[(li, mod)] * scaling
+        if mod == "qkv_proj":
+            parts += [(li, m, a, bp) for m, bp in zip(("q_proj", "k_proj", "v_proj"), np.split(b, [nh * D, (nh + kvh) * D]))]
+        elif mod == "gate_up_proj":
+            parts += [(li, m, a, bp) for m, bp in zip(("gate_proj", "up_proj"), np.split(b, 2))]
+        else:
+            parts.append((li, mod, a, b))
+    for li, mod, a, b in parts:
         if mod in ("q_proj", "k_proj", "v_proj"):
             c = ("q_proj", "k_proj", "v_proj").index(mod)
             qkv_a[li, :, c, :r] = a.T

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3) over a paged KV cache.
 
 Plain functions over a params pytree rather than Flax modules: the runner needs full control
 of static shapes, buffer donation and sharding, and a pytree of arrays is what `jit` sees
@@ -53,6 +53,9 @@ class LlamaConfig:
     max_position_embeddings: int
     inv_freq: tuple = field(repr=False)   # RoPE inverse frequencies (host-computed, incl. scaling)
     rope_attention_factor: float = 1.0
+    # LongRoPE (Phi-3): positions >= rope_long_from use these frequencies instead (() = none)
+    inv_freq_long: tuple = field(default=(), repr=False)
+    rope_long_from: int = 0
     sliding_window: Optional[int] = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -85,10 +88,13 @@ class LlamaConfig:
         kvh = cfg.get("num_key_value_heads") or nh
         if cfg.get("hidden_act", "silu") != "silu":
             raise InvalidRequest(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
-        window = cfg.get("sliding_window") if mt == "mistral" else None
+        window = cfg.get("sliding_window") if mt in ("mistral", "phi3") else None
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise InvalidRequest(f"partial_rotary_factor {cfg.get('partial_rotary_factor')} is not supported (only 1.0)")
         if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
             raise InvalidRequest(f"{mt} with use_sliding_window=true is not supported")
         inv_freq, factor = _rope_inv_freq(cfg, hd)
+        long_inv, long_from = _longrope_long(cfg, hd)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -97,6 +103,7 @@ class LlamaConfig:
             num_heads=nh, num_kv_heads=kvh, head_dim=hd, rms_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             inv_freq=tuple(float(x) for x in inv_freq), rope_attention_factor=factor,
+            inv_freq_long=tuple(float(x) for x in long_inv), rope_long_from=long_from,
             sliding_window=window, qkv_bias=bool(mt == "qwen2" or cfg.get("attention_bias", False)),
             qk_norm=(mt == "qwen3"), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
@@ -106,9 +113,7 @@ class LlamaConfig:
 
 def _rope_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies with the config's RoPE scaling (old `rope_scaling` or new `rope_parameters`)."""
-    rp = dict(cfg.get("rope_parameters") or {})
-    rs = cfg.get("rope_scaling") or {}
-    params = {**rs, **rp}
+    params = _rope_params(cfg)
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rtype = params.get("rope_type", params.get("type", "default")) or "default"
     inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
@@ -128,7 +133,46 @@ def _rope_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
         return np.where(medium, smoothed, out).astype(np.float32), 1.0
     if rtype == "yarn":
         return _yarn(params, cfg, head_dim, theta, inv)
-    raise InvalidRequest(f"rope type {rtype!r} is not supported (default, linear, llama3, yarn)")
+    if rtype in ("longrope", "su"):
+        return _longrope(params, cfg, head_dim, theta, "short_factor")
+    raise InvalidRequest(f"rope type {rtype!r} is not supported (default, linear, llama3, yarn, longrope)")
+
+
+def _rope_params(cfg: dict) -> dict:
+    return {**(cfg.get("rope_scaling") or {}), **dict(cfg.get("rope_parameters") or {})}
+
+
+def _longrope(params: dict, cfg: dict, dim: int, theta: float, which: str) -> tuple[np.ndarray, float]:
+    """LongRoPE (Phi-3, arXiv:2402.13753) as transformers computes it: the base frequencies divided
+    by per-frequency factors (short_factor within the original context, long_factor beyond), and
+    an attention factor sqrt(1 + ln(factor) / ln(original context)) scaling cos and sin."""
+    orig = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not orig:
+        raise InvalidRequest("longrope needs original_max_position_embeddings")
+    ext = np.asarray(params[which], np.float32)
+    if ext.shape != (dim // 2,):
+        raise InvalidRequest(f"longrope {which} has {ext.size} entries, expected {dim // 2}")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", orig) / orig
+    attn = params.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    inv = 1.0 / (ext * theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    return inv.astype(np.float32), float(attn)
+
+
+def _longrope_long(cfg: dict, head_dim: int) -> tuple[np.ndarray, int]:
+    """(long-context frequencies, first position that uses them) of a LongRoPE config, else ((), 0).
+
+    Position p >= the original context uses long_factor, earlier ones short_factor. That is what
+    transformers' generate does whenever the prompt fits the original context (it switches when
+    the sequence outgrows it, and cached keys keep their rotation); a longer prompt is rotated
+    entirely with long_factor there, per position here (vLLM's rule)."""
+    params = _rope_params(cfg)
+    if params.get("rope_type", params.get("type")) not in ("longrope", "su"):
+        return np.zeros(0, np.float32), 0
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    inv, _ = _longrope(params, cfg, head_dim, theta, "long_factor")
+    return inv, int(params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
 
 
 def _yarn(params: dict, cfg: dict, dim: int, theta: float, inv: np.ndarray) -> tuple[np.ndarray, float]:
@@ -235,6 +279,9 @@ def forward(
     x = params["embed"][inp.tokens][None]                             # [1, T, H]
     inv_freq = jnp.asarray(np.array(cfg.inv_freq, dtype=np.float32))
     q_pos = inp.positions[None]
+    if cfg.inv_freq_long:        # LongRoPE: per token, long frequencies from the original context on
+        long = jnp.asarray(np.array(cfg.inv_freq_long, dtype=np.float32))
+        inv_freq = jnp.where(q_pos[..., None] >= cfg.rope_long_from, long, inv_freq)   # [1, T, D/2]
     attn = attention.get(cfg.attention_backend)
     meta = attn.prepare(cfg, inp, page_size)                         # masks / kernel metadata, once per step
 

@@ -31,13 +31,20 @@ def _hf_layer(reader: CheckpointReader, cfg: LlamaConfig, i: int) -> dict[str, n
     H, nh, kvh, D, FF = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     G = nh // kvh
     g = lambda n, shape: np.asarray(reader.get(pre + n, shape), dtype=np.float32)  # noqa: E731
-    q = g("self_attn.q_proj.weight", (nh * D, H)).reshape(kvh, G, D, H)
-    k = g("self_attn.k_proj.weight", (kvh * D, H)).reshape(kvh, 1, D, H)
-    v = g("self_attn.v_proj.weight", (kvh * D, H)).reshape(kvh, 1, D, H)
+    if cfg.model_type == "phi3":         # fused [q; k; v] and [gate; up] rows
+        qkv = g("self_attn.qkv_proj.weight", ((nh + 2 * kvh) * D, H))
+        q_w, k_w, v_w = np.split(qkv, [nh * D, (nh + kvh) * D])
+        gate_w, up_w = np.split(g("mlp.gate_up_proj.weight", (2 * FF, H)), 2)
+    else:
+        q_w, k_w, v_w = (g(f"self_attn.{n}_proj.weight", (m * D, H)) for n, m in (("q", nh), ("k", kvh), ("v", kvh)))
+        gate_w, up_w = g("mlp.gate_proj.weight", (FF, H)), g("mlp.up_proj.weight", (FF, H))
+    q = q_w.reshape(kvh, G, D, H)
+    k = k_w.reshape(kvh, 1, D, H)
+    v = v_w.reshape(kvh, 1, D, H)
     out = {
         "qkv": np.concatenate([q, k, v], axis=1).transpose(3, 0, 1, 2),
         "o": g("self_attn.o_proj.weight", (H, nh * D)).reshape(H, kvh, G, D).transpose(1, 2, 3, 0),
-        "gate_up": np.stack([g("mlp.gate_proj.weight", (FF, H)), g("mlp.up_proj.weight", (FF, H))]).transpose(2, 0, 1),
+        "gate_up": np.stack([gate_w, up_w]).transpose(2, 0, 1),
         "down": g("mlp.down_proj.weight", (H, FF)).T,
         "ln1": g("input_layernorm.weight", (H,)),
         "ln2": g("post_attention_layernorm.weight", (H,)),

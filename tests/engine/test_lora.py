@@ -44,15 +44,17 @@ def _slot(engine: Engine, name: str) -> int:
 
 
 @pytest.mark.parametrize("family,matmul", [("llama3", "xla"), ("mistral", "auto"), ("qwen2", "auto"), ("qwen3", "auto"),
-                                           ("llama3", "kernel")])
+                                           ("phi3", "auto"), ("llama3", "kernel")])
 def test_adapter_matches_peft(tmp_path, family, matmul):
     """Prefill logits <= 1e-4 and 32 greedy tokens equal to transformers + peft, for an adapter on
     every matrix and one on a subset with rsLoRA scaling, with a base row in the same engine; the
     base matmuls on XLA's dot, the CPU kernel (the LoRA term stays an XLA einsum) or as measured."""
     base = hf_models.build(family, str(tmp_path / "base"))
-    pa = hf_models.build_lora(base, str(tmp_path / "a"), seed=1, r=8, alpha=16)
-    pb = hf_models.build_lora(base, str(tmp_path / "b"), seed=2, r=4, alpha=8,
-                              targets=["q_proj", "v_proj", "down_proj"], rslora=True)
+    fused = family == "phi3"             # Phi-3's fused qkv_proj / gate_up_proj: one A, B split by rows
+    every = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if fused else None
+    pa = hf_models.build_lora(base, str(tmp_path / "a"), seed=1, r=8, alpha=16, targets=every)
+    pb = hf_models.build_lora(base, str(tmp_path / "b"), seed=2, r=4, alpha=8, rslora=True,
+                              targets=["qkv_proj", "down_proj"] if fused else ["q_proj", "v_proj", "down_proj"])
     eng = Engine(_args(str(tmp_path / "base"), loras=[("a", str(tmp_path / "a")), ("b", str(tmp_path / "b"))],
                        cpu_matmul=matmul))
     eng.load_all(progress=False, warmup=False)

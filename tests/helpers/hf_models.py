@@ -27,6 +27,12 @@ def family_config(family: str):
     if family == "qwen2_yarn":   # YaRN factor 4 over an original context shorter than the test prompts
         return tf.Qwen2Config(**TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                                     "rope_theta": 10000.0})
+    if family == "phi3":   # LongRoPE beyond a 64-token original context (decode crosses it), a window
+        half = TINY["hidden_size"] // TINY["num_attention_heads"] // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.5 + 0.5 * i for i in range(half)]}
+        return tf.Phi3Config(**TINY, rope_scaling=rope, original_max_position_embeddings=64, sliding_window=40,
+                             pad_token_id=0)
     if family == "llama_tied":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=True)
     raise ValueError(family)
@@ -42,7 +48,7 @@ def build(family: str, path: str, seed: int = 0):
     torch.manual_seed(seed)
     cls = {"llama3": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM, "llama_tied": tf.LlamaForCausalLM,
-           "qwen2_yarn": tf.Qwen2ForCausalLM}[family]
+           "qwen2_yarn": tf.Qwen2ForCausalLM, "phi3": tf.Phi3ForCausalLM}[family]
     model = cls(cfg).eval()
     if family.startswith("qwen2"):   # Qwen2 has QKV biases; make them non-zero so they are tested
         with torch.no_grad():
