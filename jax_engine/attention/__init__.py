@@ -71,6 +71,8 @@ def resolve(choice: Optional[str], cfg: Any, page_size: int, dtype: Any, tp: int
         why = f"no attention kernel for platform {plat!r}"
     elif tp > 1:
         why = f"the attention kernels are not sharded for tensor parallelism yet (tp {tp})"
+    elif name != "cpu" and (getattr(cfg, "attn_softcap", 0.0) or getattr(cfg, "layer_windows", ())):
+        why = "the Pallas kernels have no attention soft-capping or per-layer windows (Gemma)"
     else:
         why = get(name).unsupported(cfg, page_size, dtype)
     if why is None:

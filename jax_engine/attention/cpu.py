@@ -32,7 +32,7 @@ class CpuKernel(Reference):
         return None
 
     def attend(self, q: jax.Array, kc: jax.Array, vc: jax.Array, li: jax.Array, m: Meta) -> jax.Array:
-        if kc.dtype != jnp.float32:
+        if kc.dtype != jnp.float32 or m.softcap or m.windows is not None:   # the kernel has neither (Gemma)
             return super().attend(q, kc, vc, li, m)
         out = cpu_kernels.decode_attention(q, kc, vc, m.table, m.kv_limit, m.positions, li,
                                            page_size=m.page_size, window=m.window, scale=m.scale)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,8 @@ class Meta:
     page_size: int
     window: int             # 0 = none
     scale: float
+    softcap: float = 0.0    # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
+    windows: Optional[jax.Array] = None   # [L] per-layer window (0 = global), overrides `window` (Gemma)
 
 
 class Reference:
@@ -55,7 +57,8 @@ class Reference:
     def prepare(self, cfg: Any, inp: Any, page_size: int) -> Meta:
         return Meta(table=inp.page_table[inp.rows], positions=inp.positions, kv_limit=inp.kv_limit,
                     flat_slots=inp.slots, page_size=page_size, window=int(cfg.sliding_window or 0),
-                    scale=1.0 / math.sqrt(cfg.head_dim))
+                    scale=1.0 / math.sqrt(cfg.head_dim), softcap=float(getattr(cfg, "attn_softcap", 0.0)),
+                    windows=jnp.asarray(cfg.layer_windows, jnp.int32) if getattr(cfg, "layer_windows", ()) else None)
 
     def write(self, kc: jax.Array, vc: jax.Array, li: jax.Array, k: jax.Array, v: jax.Array,
               m: Meta) -> tuple[jax.Array, jax.Array]:
@@ -80,9 +83,14 @@ class Reference:
             keys, vals = kl[gather], vl[gather]                       # [n, S, KVH, D]
             key_pos = jnp.arange(S)[None]
             mask = key_pos < limit[:, None]
-            if m.window:
+            if m.windows is not None:
+                win = m.windows[li]
+                mask &= (win == 0) | (key_pos > pos[:, None] - win)
+            elif m.window:
                 mask &= key_pos > pos[:, None] - m.window
             s = jnp.einsum("tkgd,tskd->tkgs", qb, keys.astype(qb.dtype), preferred_element_type=jnp.float32) * m.scale
+            if m.softcap:
+                s = jnp.tanh(s / m.softcap) * m.softcap
             s = jnp.where(mask[:, None, None, :], s, -1e30)
             p = jax.nn.softmax(s, axis=-1)
             return jnp.einsum("tkgs,tskd->tkgd", p.astype(vals.dtype), vals,

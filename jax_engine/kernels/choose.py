@@ -268,7 +268,7 @@ class _Point:
                 xla_w = {"lm_head": {"q": sds((case.k, n), jnp.int8), "s": sds((n,), jnp.float32)}}
             else:
                 xla_w = {"lm_head": sds((case.k, n), dt)}
-            xla_fn = lambda x, w: llama.lm_head(w, head_cfg, x)                        # noqa: E731
+            xla_fn = lambda x, w: llama.lm_head_matmul(w, head_cfg, x)                 # noqa: E731
             kernel_fn = lambda x, w: cpu_kernels.linear(x, w, 0, 1, (n,))              # noqa: E731
             pk_lead: tuple[int, ...] = (1,)
         else:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3) over a paged KV cache.
 
 Plain functions over a params pytree rather than Flax modules: the runner needs full control
 of static shapes, buffer donation and sharding, and a pytree of arrays is what `jit` sees
@@ -56,6 +56,15 @@ class LlamaConfig:
     # LongRoPE (Phi-3): positions >= rope_long_from use these frequencies instead (() = none)
     inv_freq_long: tuple = field(default=(), repr=False)
     rope_long_from: int = 0
+    # Gemma 2 / 3
+    act: str = "silu"                     # MLP gate activation: silu | gelu_tanh (GeGLU)
+    embed_scale: float = 1.0              # embeddings multiplied by this (Gemma: sqrt(hidden))
+    sandwich_norms: bool = False          # RMSNorm after attention and after the MLP too
+    attn_softcap: float = 0.0             # attention logits -> cap * tanh(s / cap) (0 = off)
+    final_softcap: float = 0.0            # LM-head logits, the same (0 = off)
+    attn_scale: float = 0.0               # softmax scale (0 = 1 / sqrt(head_dim))
+    layer_windows: tuple = ()             # per-layer sliding window (0 = global); () = sliding_window everywhere
+    inv_freq_local: tuple = field(default=(), repr=False)   # Gemma 3: RoPE of the windowed layers
     sliding_window: Optional[int] = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -86,15 +95,36 @@ class LlamaConfig:
         h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
         hd = cfg.get("head_dim") or h // nh
         kvh = cfg.get("num_key_value_heads") or nh
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise InvalidRequest(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        gemma = mt in ("gemma2", "gemma3_text")
+        act_name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+        if act_name not in acts:
+            raise InvalidRequest(f"hidden activation {act_name!r} is not supported ({', '.join(acts)})")
         window = cfg.get("sliding_window") if mt in ("mistral", "phi3") else None
+        layer_windows: tuple = ()
+        if gemma:               # alternating windowed ("sliding_attention") and global layers
+            types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+            layer_windows = tuple(int(cfg.get("sliding_window") or 0) if t == "sliding_attention" else 0 for t in types)
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise InvalidRequest(f"partial_rotary_factor {cfg.get('partial_rotary_factor')} is not supported (only 1.0)")
         if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
             raise InvalidRequest(f"{mt} with use_sliding_window=true is not supported")
-        inv_freq, factor = _rope_inv_freq(cfg, hd)
+        local_inv: tuple = ()
+        rp = cfg.get("rope_parameters") or {}
+        if "full_attention" in rp:           # Gemma 3: RoPE per layer type
+            inv_freq, factor = _rope_inv_freq({**cfg, "rope_parameters": rp["full_attention"], "rope_scaling": None}, hd)
+            local, local_factor = _rope_inv_freq({**cfg, "rope_parameters": rp.get("sliding_attention", rp["full_attention"]),
+                                                   "rope_scaling": None}, hd)
+            if local_factor != factor:
+                raise InvalidRequest("RoPE attention factors that differ between layer types are not supported")
+            local_inv = tuple(float(x) for x in local)
+        else:
+            inv_freq, factor = _rope_inv_freq(cfg, hd)
+            if cfg.get("rope_local_base_freq"):   # older Gemma 3 configs
+                local, _ = _rope_inv_freq({"rope_theta": cfg["rope_local_base_freq"]}, hd)
+                local_inv = tuple(float(x) for x in local)
         long_inv, long_from = _longrope_long(cfg, hd)
+        qps = cfg.get("query_pre_attn_scalar") if gemma else None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -105,7 +135,11 @@ class LlamaConfig:
             inv_freq=tuple(float(x) for x in inv_freq), rope_attention_factor=factor,
             inv_freq_long=tuple(float(x) for x in long_inv), rope_long_from=long_from,
             sliding_window=window, qkv_bias=bool(mt == "qwen2" or cfg.get("attention_bias", False)),
-            qk_norm=(mt == "qwen3"), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=(mt in ("qwen3", "gemma3_text")), tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            act=acts[act_name], embed_scale=float(h) ** 0.5 if gemma else 1.0, sandwich_norms=gemma,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            attn_scale=float(qps) ** -0.5 if qps else 0.0, layer_windows=layer_windows, inv_freq_local=local_inv,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
         )
@@ -277,11 +311,17 @@ def forward(
     # activations are [1, T, ...]: the layouts' einsums (SPECS) and the CPU kernels take a
     # [B, Tq] lead; attention sees the flat [T, ...] view
     x = params["embed"][inp.tokens][None]                             # [1, T, H]
+    if cfg.embed_scale != 1.0:            # Gemma: the scale is rounded to the embedding's dtype first
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     inv_freq = jnp.asarray(np.array(cfg.inv_freq, dtype=np.float32))
     q_pos = inp.positions[None]
     if cfg.inv_freq_long:        # LongRoPE: per token, long frequencies from the original context on
         long = jnp.asarray(np.array(cfg.inv_freq_long, dtype=np.float32))
         inv_freq = jnp.where(q_pos[..., None] >= cfg.rope_long_from, long, inv_freq)   # [1, T, D/2]
+    windowed = jnp.asarray(np.array(cfg.layer_windows or [0] * cfg.num_layers) > 0)      # [L]
+    local_freq = jnp.asarray(np.array(cfg.inv_freq_local, dtype=np.float32)) if cfg.inv_freq_local else None
+    q_scale = cfg.attn_scale * math.sqrt(cfg.head_dim) if cfg.attn_scale else 1.0   # backends scale by 1/sqrt(D)
+    act_fn = (lambda v: jax.nn.gelu(v, approximate=True)) if cfg.act == "gelu_tanh" else jax.nn.silu
     attn = attention.get(cfg.attention_backend)
     meta = attn.prepare(cfg, inp, page_size)                         # masks / kernel metadata, once per step
 
@@ -325,17 +365,21 @@ def forward(
         if cfg.qk_norm:
             q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
             k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-        q = rope(q, q_pos, inv_freq, cfg.rope_attention_factor)
-        k = rope(k, q_pos, inv_freq, cfg.rope_attention_factor)
+        freq = inv_freq if local_freq is None else jnp.where(windowed[li], local_freq, inv_freq)
+        q = rope(q, q_pos, freq, cfg.rope_attention_factor)
+        k = rope(k, q_pos, freq, cfg.rope_attention_factor)
+        if q_scale != 1.0:
+            q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
         kc, vc = attn.write(kc, vc, li, k[0], v[0], meta)
         a = attn.attend(q[0], kc, vc, li, meta).astype(x.dtype)[None]   # [1, T, KVH, G, D]
-        x = x + plus_lora(lp, mm("o", lp, li, a, (cfg.hidden_size,)), lambda lb: lora_terms.o_delta(a[0], lb, lora_mask))
+        o = plus_lora(lp, mm("o", lp, li, a, (cfg.hidden_size,)), lambda lb: lora_terms.o_delta(a[0], lb, lora_mask))
+        x = x + (rms_norm(o, lp["post_attn_norm"], cfg.rms_eps) if cfg.sandwich_norms else o)
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
         gu = mm("gate_up", lp, li, h, (2, cfg.intermediate_size))
         gu = plus_lora(lp, gu, lambda lb: lora_terms.gate_up_delta(h[0], lb, lora_mask))
-        act = jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
-        x = x + plus_lora(lp, mm("down", lp, li, act, (cfg.hidden_size,)),
-                          lambda lb: lora_terms.down_delta(act[0], lb, lora_mask))
+        act = act_fn(gu[..., 0, :]) * gu[..., 1, :]
+        d = plus_lora(lp, mm("down", lp, li, act, (cfg.hidden_size,)), lambda lb: lora_terms.down_delta(act[0], lb, lora_mask))
+        x = x + (rms_norm(d, lp["post_ff_norm"], cfg.rms_eps) if cfg.sandwich_norms else d)
         return (x, kc, vc, li + 1), None
 
     (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, (x, k_cache, v_cache, jnp.int32(0)), xs,
@@ -344,7 +388,15 @@ def forward(
 
 
 def lm_head(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
-    """Logits in float32 for hidden states [..., H]."""
+    """Logits in float32 for hidden states [..., H] (Gemma: soft-capped)."""
+    y = lm_head_matmul(params, cfg, h)
+    if cfg.final_softcap:
+        y = jnp.tanh(y / cfg.final_softcap) * cfg.final_softcap
+    return y
+
+
+def lm_head_matmul(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
+    """The LM-head matmul alone (float32 logits before any soft-capping), on the routed path."""
     path = matmul_path(cfg, "lm_head", math.prod(h.shape[:-1]))
     if path == "kernel":
         return cpu_kernels.linear(h, params[panels_key(cfg, "lm_head")], 0, 1, (cfg.vocab_size,))

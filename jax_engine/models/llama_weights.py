@@ -47,8 +47,13 @@ def _hf_layer(reader: CheckpointReader, cfg: LlamaConfig, i: int) -> dict[str, n
         "gate_up": np.stack([gate_w, up_w]).transpose(2, 0, 1),
         "down": g("mlp.down_proj.weight", (H, FF)).T,
         "ln1": g("input_layernorm.weight", (H,)),
-        "ln2": g("post_attention_layernorm.weight", (H,)),
     }
+    if cfg.sandwich_norms:        # Gemma: input, post-attention, pre- and post-feedforward norms
+        out["post_attn_norm"] = g("post_attention_layernorm.weight", (H,))
+        out["ln2"] = g("pre_feedforward_layernorm.weight", (H,))
+        out["post_ff_norm"] = g("post_feedforward_layernorm.weight", (H,))
+    else:
+        out["ln2"] = g("post_attention_layernorm.weight", (H,))
     if cfg.qkv_bias:
         qb = g("self_attn.q_proj.bias", (nh * D,)).reshape(kvh, G, D)
         kb = g("self_attn.k_proj.bias", (kvh * D,)).reshape(kvh, 1, D)
@@ -57,14 +62,26 @@ def _hf_layer(reader: CheckpointReader, cfg: LlamaConfig, i: int) -> dict[str, n
     if cfg.qk_norm:
         out["q_norm"] = g("self_attn.q_norm.weight", (D,))
         out["k_norm"] = g("self_attn.k_norm.weight", (D,))
+    if _norm_plus_one(cfg):
+        for n in NORMS:
+            if n in out:
+                out[n] = out[n] + 1.0
     return out
+
+
+NORMS = ("ln1", "ln2", "post_attn_norm", "post_ff_norm", "q_norm", "k_norm", "final_norm")
+
+
+def _norm_plus_one(cfg: LlamaConfig) -> bool:
+    """Gemma's RMSNorm multiplies by (1 + weight): the 1 is added here, once, at load."""
+    return cfg.model_type in ("gemma2", "gemma3_text")
 
 
 def _hf_top(reader: CheckpointReader, cfg: LlamaConfig) -> dict[str, np.ndarray]:
     V, H = cfg.vocab_size, cfg.hidden_size
     out = {
         "embed": np.asarray(reader.get("model.embed_tokens.weight", (V, H)), np.float32),
-        "final_norm": np.asarray(reader.get("model.norm.weight", (H,)), np.float32),
+        "final_norm": np.asarray(reader.get("model.norm.weight", (H,)), np.float32) + (1.0 if _norm_plus_one(cfg) else 0.0),
     }
     if not cfg.tie_embeddings:
         out["lm_head"] = np.asarray(reader.get("lm_head.weight", (V, H)), np.float32).T

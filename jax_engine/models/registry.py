@@ -20,6 +20,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture("decoder", "llama"),
     "Qwen3ForCausalLM": Architecture("decoder", "llama"),
     "Phi3ForCausalLM": Architecture("decoder", "llama"),     # fused qkv / gate_up, split at load
+    "Gemma2ForCausalLM": Architecture("decoder", "llama"),
+    "Gemma3ForCausalLM": Architecture("decoder", "llama"),   # text only (gemma3_text)
     "BertModel": Architecture("encoder", "bert"),
     "BertForMaskedLM": Architecture("encoder", "bert"),
     "BertForSequenceClassification": Architecture("encoder", "bert", head=True),
@@ -30,8 +32,9 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 # folders without `architectures` (some sentence-transformers ones): the bare model of the type
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "bert": "BertModel", "roberta": "RobertaModel",
-                 "xlm-roberta": "XLMRobertaModel"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "bert": "BertModel",
+                 "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
 DECODERS = tuple(a for a, x in ARCHITECTURES.items() if x.kind == "decoder")
 ENCODERS = tuple(a for a, x in ARCHITECTURES.items() if x.kind == "encoder" and not x.head)
 CLASSIFIERS = tuple(a for a, x in ARCHITECTURES.items() if x.head)

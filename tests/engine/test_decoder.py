@@ -17,7 +17,8 @@ from tests.helpers.engines import PROMPTS, engine_logits, greedy_all, small_args
 
 # on CPU the defaults run the C++ matmul and decode-attention kernels; "+xla" is the same model on
 # XLA's dot and the pure-JAX attention (the path of bfloat16, int8 and tensor parallelism)
-FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "llama_tied", "qwen2_yarn", "phi3", "llama3+xla", "mistral+xla"]
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "llama_tied", "qwen2_yarn", "phi3", "gemma2", "gemma3",
+            "llama3+xla", "mistral+xla"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

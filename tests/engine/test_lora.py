@@ -44,7 +44,7 @@ def _slot(engine: Engine, name: str) -> int:
 
 
 @pytest.mark.parametrize("family,matmul", [("llama3", "xla"), ("mistral", "auto"), ("qwen2", "auto"), ("qwen3", "auto"),
-                                           ("phi3", "auto"), ("llama3", "kernel")])
+                                           ("phi3", "auto"), ("gemma2", "auto"), ("llama3", "kernel")])
 def test_adapter_matches_peft(tmp_path, family, matmul):
     """Prefill logits <= 1e-4 and 32 greedy tokens equal to transformers + peft, for an adapter on
     every matrix and one on a subset with rsLoRA scaling, with a base row in the same engine; the

@@ -33,6 +33,13 @@ def family_config(family: str):
                 "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.5 + 0.5 * i for i in range(half)]}
         return tf.Phi3Config(**TINY, rope_scaling=rope, original_max_position_embeddings=64, sliding_window=40,
                              pad_token_id=0)
+    if family == "gemma2":    # soft-capping on, a 24-token window on alternate layers, GeGLU, +1 norms
+        return tf.Gemma2Config(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=24, query_pre_attn_scalar=32,
+                               attn_logit_softcapping=20.0, final_logit_softcapping=5.0)
+    if family == "gemma3":    # q/k norms, local (10k) and global (1M) RoPE bases, a window on 2 of 3 layers
+        return tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=24,
+                                   query_pre_attn_scalar=16, layer_types=["sliding_attention", "sliding_attention",
+                                                                          "full_attention"])
     if family == "llama_tied":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=True)
     raise ValueError(family)
@@ -48,13 +55,19 @@ def build(family: str, path: str, seed: int = 0):
     torch.manual_seed(seed)
     cls = {"llama3": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM, "llama_tied": tf.LlamaForCausalLM,
-           "qwen2_yarn": tf.Qwen2ForCausalLM, "phi3": tf.Phi3ForCausalLM}[family]
+           "qwen2_yarn": tf.Qwen2ForCausalLM, "phi3": tf.Phi3ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,
+           "gemma3": tf.Gemma3ForCausalLM}[family]
     model = cls(cfg).eval()
     if family.startswith("qwen2"):   # Qwen2 has QKV biases; make them non-zero so they are tested
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    if family.startswith("gemma"):   # Gemma's norms start at 0 (a factor of 1 + 0): make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.2)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return model
