@@ -407,9 +407,8 @@ class Scheduler:
             out.error, out.error_kind = error, "internal"
         if finish is not None:
             self._retire(seq)
+            self._maybe_forget(req)     # before the consumer sees the end: its adapter is released by then
         self._emit(req, out)
-        if finish is not None:
-            self._maybe_forget(req)
 
     def _output(self, seq: Sequence, toks: list[int], logprobs, final: bool) -> GenerateOutput:
         out = GenerateOutput(
@@ -468,6 +467,7 @@ class Scheduler:
     def _finish_request(self, req: Request, reason: str, error: Optional[str]) -> None:
         """End every unfinished sequence of `req` (abort or error)."""
         req.aborted = True
+        outs = []
         for seq in req.seqs:
             if seq.state is SeqState.FINISHED:
                 continue
@@ -479,8 +479,10 @@ class Scheduler:
             out.finish_reason = reason
             if error is not None:
                 out.error, out.error_kind = error, "internal"
+            outs.append(out)
+        self._maybe_forget(req)         # before the consumer sees the end (as _on_token)
+        for out in outs:
             self._emit(req, out)
-        self._maybe_forget(req)
 
     def _emit(self, req: Request, out: GenerateOutput) -> None:
         """Hand an output to the request's consumer; a consumer that is gone aborts the request."""
