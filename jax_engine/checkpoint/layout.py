@@ -48,6 +48,9 @@ LAYOUT: dict[str, Kind] = {
     "layers/down": Kind(P(None, "model", None), contract=(0,), scale_keeps=(2,), scale_spec=P(None, None)),
     "layers/ln1": Kind(P(None, None), float32=True),
     "layers/ln2": Kind(P(None, None), float32=True),
+    "layers/router": Kind(P(None, None, None)),                      # MoE [L, H, E]
+    "layers/experts_gate_up": Kind(P(None, None, None, None, "model")),   # [L, E, H, 2, I]
+    "layers/experts_down": Kind(P(None, None, "model", None)),            # [L, E, I, H]
     "layers/post_attn_norm": Kind(P(None, None), float32=True),     # Gemma's sandwich norms
     "layers/post_ff_norm": Kind(P(None, None), float32=True),
     "layers/q_norm": Kind(P(None, None), float32=True),

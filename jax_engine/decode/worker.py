@@ -82,6 +82,9 @@ class GenerateWorker:
         hf = read_config(spec.path)
         cfg = LlamaConfig.from_hf(hf)
         tp, replicas = spec.tp, spec.replicas
+        if cfg.num_experts and tp > 1:
+            raise InvalidRequest(f"{cfg.architecture}: mixture-of-experts models run with --tp 1 for now "
+                                 f"(expert and tensor parallelism for experts are not built yet), got tp {tp}")
         if cfg.num_heads % tp:
             raise InvalidRequest(f"tp {tp} does not divide {cfg.num_heads} attention heads")
         kv_repeat = 1

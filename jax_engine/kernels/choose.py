@@ -100,6 +100,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as cpu_kernels
 from jax_engine.kernels.plan import LAYOUT, PATHS, UNBOUNDED, MatmulPlan, Timing
 from jax_engine.models import llama
@@ -454,6 +455,10 @@ def configure(choice: str, cfg: Any, plat: str, dtype: Any, quantize: str, tp: i
     """cfg with matmul / matmul_plan set from --cpu-matmul: "xla" and "kernel" force a path (no
     timing; "kernel" where it cannot run is an error, cpu.resolve); "auto" measures on CPU with
     tp 1 (where the kernel builds) and is XLA's dot elsewhere."""
+    if getattr(cfg, "num_experts", 0):     # MoE: the experts are grouped XLA matmuls (models/moe.py)
+        if choice == "kernel":
+            raise InvalidRequest("--cpu-matmul kernel: mixture-of-experts models run their matmuls on XLA; use auto or xla")
+        return dataclasses.replace(cfg, matmul="xla", matmul_plan=None)
     path = cpu_kernels.resolve(choice, plat, dtype, quantize, tp)
     if choice != "auto" or path == "xla":
         return dataclasses.replace(cfg, matmul=path, matmul_plan=None)

@@ -33,6 +33,7 @@ from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as cpu_kernels
 from jax_engine.kernels.plan import MatmulPlan
 from jax_engine.models import lora as lora_terms
+from jax_engine.models import moe
 from jax_engine.models.registry import DECODERS, architecture_of
 
 Params = dict[str, Any]
@@ -65,6 +66,10 @@ class LlamaConfig:
     attn_scale: float = 0.0               # softmax scale (0 = 1 / sqrt(head_dim))
     layer_windows: tuple = ()             # per-layer sliding window (0 = global); () = sliding_window everywhere
     inv_freq_local: tuple = field(default=(), repr=False)   # Gemma 3: RoPE of the windowed layers
+    # mixture of experts (Mixtral, Qwen3-MoE): jax_engine/models/moe.py; 0 = a dense MLP
+    num_experts: int = 0
+    experts_per_token: int = 0
+    normalize_top_k: bool = True
     sliding_window: Optional[int] = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -125,17 +130,28 @@ class LlamaConfig:
                 local_inv = tuple(float(x) for x in local)
         long_inv, long_from = _longrope_long(cfg, hd)
         qps = cfg.get("query_pre_attn_scalar") if gemma else None
+        experts, inter = 0, cfg.get("intermediate_size")
+        if mt in ("mixtral", "qwen3_moe"):
+            experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+            if mt == "qwen3_moe":
+                inter = cfg["moe_intermediate_size"]
+                if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+                    raise InvalidRequest("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step) is not supported")
+            if mt == "mixtral":
+                window = cfg.get("sliding_window")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             architecture=arch, model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=h,
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            intermediate_size=inter, num_layers=cfg["num_hidden_layers"],
             num_heads=nh, num_kv_heads=kvh, head_dim=hd, rms_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             inv_freq=tuple(float(x) for x in inv_freq), rope_attention_factor=factor,
             inv_freq_long=tuple(float(x) for x in long_inv), rope_long_from=long_from,
             sliding_window=window, qkv_bias=bool(mt == "qwen2" or cfg.get("attention_bias", False)),
-            qk_norm=(mt in ("qwen3", "gemma3_text")), tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            normalize_top_k=bool(cfg.get("norm_topk_prob", True)) if mt == "qwen3_moe" else True,
+            qk_norm=(mt in ("qwen3", "gemma3_text", "qwen3_moe")), tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             act=acts[act_name], embed_scale=float(h) ** 0.5 if gemma else 1.0, sandwich_norms=gemma,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
@@ -375,6 +391,10 @@ def forward(
         o = plus_lora(lp, mm("o", lp, li, a, (cfg.hidden_size,)), lambda lb: lora_terms.o_delta(a[0], lb, lora_mask))
         x = x + (rms_norm(o, lp["post_attn_norm"], cfg.rms_eps) if cfg.sandwich_norms else o)
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
+        if cfg.num_experts:
+            d = moe.moe_mlp(h[0], lp["router"], lp["experts_gate_up"], lp["experts_down"], cfg.experts_per_token,
+                            cfg.normalize_top_k, act_fn)[None]
+            return (x + d, kc, vc, li + 1), None
         gu = mm("gate_up", lp, li, h, (2, cfg.intermediate_size))
         gu = plus_lora(lp, gu, lambda lb: lora_terms.gate_up_delta(h[0], lb, lora_mask))
         act = act_fn(gu[..., 0, :]) * gu[..., 1, :]

@@ -37,17 +37,21 @@ def _hf_layer(reader: CheckpointReader, cfg: LlamaConfig, i: int) -> dict[str, n
         gate_w, up_w = np.split(g("mlp.gate_up_proj.weight", (2 * FF, H)), 2)
     else:
         q_w, k_w, v_w = (g(f"self_attn.{n}_proj.weight", (m * D, H)) for n, m in (("q", nh), ("k", kvh), ("v", kvh)))
-        gate_w, up_w = g("mlp.gate_proj.weight", (FF, H)), g("mlp.up_proj.weight", (FF, H))
+        if not cfg.num_experts:
+            gate_w, up_w = g("mlp.gate_proj.weight", (FF, H)), g("mlp.up_proj.weight", (FF, H))
     q = q_w.reshape(kvh, G, D, H)
     k = k_w.reshape(kvh, 1, D, H)
     v = v_w.reshape(kvh, 1, D, H)
     out = {
         "qkv": np.concatenate([q, k, v], axis=1).transpose(3, 0, 1, 2),
         "o": g("self_attn.o_proj.weight", (H, nh * D)).reshape(H, kvh, G, D).transpose(1, 2, 3, 0),
-        "gate_up": np.stack([gate_w, up_w]).transpose(2, 0, 1),
-        "down": g("mlp.down_proj.weight", (H, FF)).T,
         "ln1": g("input_layernorm.weight", (H,)),
     }
+    if cfg.num_experts:
+        out.update(_hf_experts(g, cfg))
+    else:
+        out["gate_up"] = np.stack([gate_w, up_w]).transpose(2, 0, 1)
+        out["down"] = g("mlp.down_proj.weight", (H, FF)).T
     if cfg.sandwich_norms:        # Gemma: input, post-attention, pre- and post-feedforward norms
         out["post_attn_norm"] = g("post_attention_layernorm.weight", (H,))
         out["ln2"] = g("pre_feedforward_layernorm.weight", (H,))
@@ -67,6 +71,21 @@ def _hf_layer(reader: CheckpointReader, cfg: LlamaConfig, i: int) -> dict[str, n
             if n in out:
                 out[n] = out[n] + 1.0
     return out
+
+
+def _hf_experts(g: Callable[[str, tuple], np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
+    """Router [H, E], experts_gate_up [E, H, 2, I], experts_down [E, I, H] of one MoE layer
+    (Mixtral: block_sparse_moe.{gate, experts.e.w1 / w3 / w2}; Qwen3-MoE: mlp.{gate, experts.e.*_proj})."""
+    H, E, FF = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
+    if cfg.model_type == "mixtral":
+        pre, names = "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        pre, names = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    ex = [[g(f"{pre}experts.{e}.{n}.weight", (FF, H) if i < 2 else (H, FF)) for i, n in enumerate(names)]
+          for e in range(E)]
+    return {"router": g(f"{pre}gate.weight", (E, H)).T,
+            "experts_gate_up": np.stack([np.stack([gt.T, up.T], axis=1) for gt, up, _ in ex]),
+            "experts_down": np.stack([dn.T for _, _, dn in ex])}
 
 
 NORMS = ("ln1", "ln2", "post_attn_norm", "post_ff_norm", "q_norm", "k_norm", "final_norm")
@@ -160,5 +179,6 @@ def load_params(path: str, cfg: LlamaConfig, dtype: Any, quantize: str, mesh: Op
 def count_params(cfg: LlamaConfig) -> int:
     H, V, FF, L = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.num_layers
     nh, kvh, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = H * (nh + 2 * kvh) * D + nh * D * H + 3 * H * FF + 2 * H
+    mlp = cfg.num_experts * (3 * H * FF + H) if cfg.num_experts else 3 * H * FF
+    per_layer = H * (nh + 2 * kvh) * D + nh * D * H + mlp + 2 * H
     return V * H * (1 if cfg.tie_embeddings else 2) + L * per_layer + H

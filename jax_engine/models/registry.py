@@ -21,6 +21,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture("decoder", "llama"),
     "Phi3ForCausalLM": Architecture("decoder", "llama"),     # fused qkv / gate_up, split at load
     "Gemma2ForCausalLM": Architecture("decoder", "llama"),
+    "MixtralForCausalLM": Architecture("decoder", "llama"),  # mixture of experts (models/moe.py)
+    "Qwen3MoeForCausalLM": Architecture("decoder", "llama"),
     "Gemma3ForCausalLM": Architecture("decoder", "llama"),   # text only (gemma3_text)
     "BertModel": Architecture("encoder", "bert"),
     "BertForMaskedLM": Architecture("encoder", "bert"),
@@ -33,7 +35,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 # folders without `architectures` (some sentence-transformers ones): the bare model of the type
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "bert": "BertModel",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "bert": "BertModel",
                  "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
 DECODERS = tuple(a for a, x in ARCHITECTURES.items() if x.kind == "decoder")
 ENCODERS = tuple(a for a, x in ARCHITECTURES.items() if x.kind == "encoder" and not x.head)

@@ -18,7 +18,7 @@ from tests.helpers.engines import PROMPTS, engine_logits, greedy_all, small_args
 # on CPU the defaults run the C++ matmul and decode-attention kernels; "+xla" is the same model on
 # XLA's dot and the pure-JAX attention (the path of bfloat16, int8 and tensor parallelism)
 FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "llama_tied", "qwen2_yarn", "phi3", "gemma2", "gemma3",
-            "llama3+xla", "mistral+xla"]
+            "mixtral", "qwen3_moe", "llama3+xla", "mistral+xla"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -26,10 +26,11 @@ def family(request, tmp_path_factory):
     arch, _, variant = request.param.partition("+")
     path = str(tmp_path_factory.mktemp(arch))
     model = hf_models.build(arch, path)
-    kw = dict(cpu_matmul="xla", attention_backend="reference") if variant == "xla" else dict(cpu_matmul="kernel")
+    moe = arch in ("mixtral", "qwen3_moe")          # experts run on XLA's grouped matmul (models/moe.py)
+    kw = dict(cpu_matmul="xla", attention_backend="reference") if variant == "xla" or moe else dict(cpu_matmul="kernel")
     engine = Engine(small_args(models=[ModelSpec(name="m", path=path)], **kw))
     engine.load_all(progress=False, warmup=False)
-    want = ("xla", "reference") if variant == "xla" else ("kernel", "cpu")
+    want = ("xla", "reference") if variant == "xla" or moe else ("kernel", "cpu")
     assert (engine._workers["m"].cfg.matmul, engine._workers["m"].cfg.attention_backend) == want
     yield request.param, model, engine
     engine.shutdown()

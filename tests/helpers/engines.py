@@ -29,10 +29,12 @@ def engine_logits(worker, prompt: list[int]) -> np.ndarray:
 
 async def greedy_all(engine: Engine, prompts: list[list[int]], n: int, model: str = None,
                      adapter: str = None) -> list[list[int]]:
+    """n greedy tokens per prompt with EOS banned throughout, as hf_models.hf_greedy's min_new_tokens
+    does (ignore_eos alone would still let EOS be drawn where transformers draws the runner-up)."""
     async def one(p):
         toks = []
         req = GenerateRequest(request_id="", prompt_ids=p, model=model, adapter=adapter,
-                              params=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+                              params=SamplingParams(temperature=0.0, max_new_tokens=n, min_new_tokens=n))
         async for o in engine.generate(req):
             toks += o.new_token_ids
         return toks

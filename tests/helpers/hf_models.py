@@ -40,6 +40,11 @@ def family_config(family: str):
         return tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=24,
                                    query_pre_attn_scalar=16, layer_types=["sliding_attention", "sliding_attention",
                                                                           "full_attention"])
+    if family == "mixtral":   # 8 experts, top 2
+        return tf.MixtralConfig(**TINY, num_local_experts=8, num_experts_per_tok=2)
+    if family == "qwen3_moe":  # 8 experts, top 2, the normalisation rule off (Qwen3's own switch)
+        return tf.Qwen3MoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                                 norm_topk_prob=False)
     if family == "llama_tied":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=True)
     raise ValueError(family)
@@ -56,7 +61,7 @@ def build(family: str, path: str, seed: int = 0):
     cls = {"llama3": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM, "llama_tied": tf.LlamaForCausalLM,
            "qwen2_yarn": tf.Qwen2ForCausalLM, "phi3": tf.Phi3ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,
-           "gemma3": tf.Gemma3ForCausalLM}[family]
+           "gemma3": tf.Gemma3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[family]
     model = cls(cfg).eval()
     if family.startswith("qwen2"):   # Qwen2 has QKV biases; make them non-zero so they are tested
         with torch.no_grad():
