@@ -157,6 +157,13 @@ def fmt_met(t: dict | None) -> str:
     return "✅" if t["met"] else "❌"
 
 
+def fmt_spread(d: dict | None) -> str:
+    """"min / median / max" of a summary dict (e.g. tokens per row), "–" when absent."""
+    if not d:
+        return "–"
+    return f"{fmt(d.get('min'), '{:g}')} / {fmt(d.get('median'), '{:g}')} / {fmt(d.get('max'), '{:g}')}"
+
+
 def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
     if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
         return None

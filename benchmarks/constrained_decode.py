@@ -318,13 +318,7 @@ def targets(doc: dict) -> dict:
 # =============================================================================================
 # the README section
 # =============================================================================================
-_f, _x, _met = C.fmt, C.fmt_ratio, C.fmt_met     # README cells (benchmarks/common.py)
-
-
-def _rows(tp: dict | None) -> str:
-    if not tp:
-        return "–"
-    return f"{_f(tp.get('min'), '{:g}')} / {_f(tp.get('median'), '{:g}')} / {_f(tp.get('max'), '{:g}')}"
+_f, _x, _met, _rows = C.fmt, C.fmt_ratio, C.fmt_met, C.fmt_spread     # README cells (benchmarks/common.py)
 
 
 def render(d: dict, quick: bool) -> list[str]:
