@@ -222,7 +222,7 @@ def test_a_follower_replays_published_step_rows_through_the_wire_format():
 def test_every_device_call_of_the_runner_is_mirrored():
     from jax_engine.decode.runner import ModelRunner
 
-    assert set(MIRRORED) == {"step", "prompt_logprobs", "copy_page", "set_slot", "reset_state"}
+    assert set(MIRRORED) == {"step", "prompt_logprobs", "copy_page", "set_slot", "reset_state", "write_lora_slot"}
     assert not {"decode", "prefill", "first_tokens"} & set(MIRRORED)
     assert all(hasattr(getattr(ModelRunner, m), "__wrapped__") for m in MIRRORED)
 
