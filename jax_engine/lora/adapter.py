@@ -110,12 +110,12 @@ def load_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: int, dtype: n
             "down_proj": H, "qkv_proj": (nh + 2 * kvh) * D, "gate_up_proj": 2 * I}
     A: dict[tuple[int, str], np.ndarray] = {}
     B: dict[tuple[int, str], np.ndarray] = {}
+    fused_model = cfg.model_type == "phi3"
     for key in reader.keys():
         m = _TENSOR.match(key)
         if m is None or m.group(3) not in MODULES:
             raise InvalidRequest(f"lora: tensor {key!r} adapts a module that is not supported "
                                  f"(LoRA on {', '.join(MODULES)} only)")
-        fused_model = cfg.model_type == "phi3"
         if (m.group(3) in ("qkv_proj", "gate_up_proj") and not fused_model) or (
                 fused_model and m.group(3) in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
             raise InvalidRequest(f"lora: tensor {key!r} names a module model type {cfg.model_type!r} does not have")
@@ -142,9 +142,9 @@ def load_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: int, dtype: n
     for (li, mod), a in A.items():
         b = B[(li, mod)] * scaling
         if mod == "qkv_proj":
-            parts += [(li, m, a, bp) for m, bp in zip(("q_proj", "k_proj", "v_proj"), np.split(b, [nh * D, (nh + kvh) * D]))]
+            parts += [(li, p, a, bp) for p, bp in zip(("q_proj", "k_proj", "v_proj"), np.split(b, [nh * D, (nh + kvh) * D]))]
         elif mod == "gate_up_proj":
-            parts += [(li, m, a, bp) for m, bp in zip(("gate_proj", "up_proj"), np.split(b, 2))]
+            parts += [(li, p, a, bp) for p, bp in zip(("gate_proj", "up_proj"), np.split(b, 2))]
         else:
             parts.append((li, mod, a, b))
     for li, mod, a, b in parts:
