@@ -95,17 +95,7 @@ def _ok(v: Any) -> str:
     return "–" if v is None else ("✅" if v else "❌")
 
 
-def _cpu(doc: dict) -> str:
-    c = doc.get("cpu") or {}
-    flag = " **(disturbed)**" if c.get("disturbed") else ""
-    return f"cpu share {c.get('cpu_share_of_cores')}, others {c.get('others_share_of_cores')}{flag}"
-
-
-def _src(name: str, quick: bool, doc: dict) -> str:
-    """The line under every heading: the results file, when it was written, and the host."""
-    path = os.path.relpath(C.result_path(name, quick), REPO)
-    return (f"_Source: `{path}` ({doc.get('finished') or doc.get('started')}). "
-            f"{C.host_line(doc.get('machine'), doc.get('limits'))}_")
+_cpu, _src = C.cpu_line, C.source_line    # the heading's cpu share and the line under it (common.py)
 
 
 def _plots(doc: dict) -> list[str]:

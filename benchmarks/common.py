@@ -157,6 +157,20 @@ def fmt_met(t: dict | None) -> str:
     return "✅" if t["met"] else "❌"
 
 
+def cpu_line(doc: dict) -> str:
+    """"cpu share X, others Y" of a results file's whole run (the README headings), flagged when disturbed."""
+    c = doc.get("cpu") or {}
+    flag = " **(disturbed)**" if c.get("disturbed") else ""
+    return f"cpu share {c.get('cpu_share_of_cores')}, others {c.get('others_share_of_cores')}{flag}"
+
+
+def source_line(name: str, quick: bool, doc: dict) -> str:
+    """The line under every README heading: the results file, when it was written, and the host."""
+    path = os.path.relpath(result_path(name, quick), REPO_ROOT)
+    return (f"_Source: `{path}` ({doc.get('finished') or doc.get('started')}). "
+            f"{host_line(doc.get('machine'), doc.get('limits'))}_")
+
+
 def fmt_spread(d: dict | None) -> str:
     """"min / median / max" of a summary dict (e.g. tokens per row), "–" when absent."""
     if not d:

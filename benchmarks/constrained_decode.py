@@ -325,12 +325,8 @@ def render(d: dict, quick: bool) -> list[str]:
     """README lines for benchmarks/results/constrained_decode.json: the decode table (free vs every
     row constrained, the 0.85× target) and the grammar compile-time table."""
     st = d.get("setup") or {}
-    c = d.get("cpu") or {}
-    flag = " **(disturbed)**" if c.get("disturbed") else ""
-    path = os.path.relpath(C.result_path(NAME, quick), C.REPO_ROOT)
     lines = [f"### Structured generation: every row under a JSON schema vs free decode, in-process "
-             f"(cpu share {c.get('cpu_share_of_cores')}, others {c.get('others_share_of_cores')}{flag})", "",
-             f"_Source: `{path}` ({d.get('finished') or d.get('started')}). {C.host_line(d.get('machine'), None)}_", ""]
+             f"({C.cpu_line(d)})", "", C.source_line(NAME, quick, d), ""]
     dec = d.get("decode") or {}
     tg = d.get("targets") or {}
     if dec:

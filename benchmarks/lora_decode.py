@@ -292,13 +292,9 @@ def render(d: dict, quick: bool) -> list[str]:
     """README lines for benchmarks/results/lora_decode.json: decode with adapters vs base (the 0.8×
     target), adapter load time, and the LoRA term stacked vs gathered."""
     st = d.get("setup") or {}
-    c = d.get("cpu") or {}
-    flag = " **(disturbed)**" if c.get("disturbed") else ""
-    path = os.path.relpath(C.result_path(NAME, quick), C.REPO_ROOT)
     n_ad, rank = st.get("adapters", "?"), st.get("rank", "?")
     lines = [f"### Multi-LoRA: decode with {n_ad} adapters in the batch vs the base model, in-process "
-             f"(cpu share {c.get('cpu_share_of_cores')}, others {c.get('others_share_of_cores')}{flag})", "",
-             f"_Source: `{path}` ({d.get('finished') or d.get('started')}). {C.host_line(d.get('machine'), None)}_", ""]
+             f"({C.cpu_line(d)})", "", C.source_line(NAME, quick, d), ""]
     dec = d.get("decode") or {}
     tg = d.get("targets") or {}
     if dec:
