@@ -70,3 +70,16 @@ def test_decoder_as_embedder_last_token_pooling(family):
         ref = h / np.linalg.norm(h)
         assert float(np.dot(vec, ref)) >= 0.99999 and np.max(np.abs(vec - ref)) < 1e-4
     assert engine.stats("m").pages_used == 0
+
+
+def test_moe_refuses_what_it_cannot_run(tmp_path):
+    """Mixture-of-experts models: experts are not tensor-parallel yet and never on the CPU matmul kernel."""
+    from jax_engine.errors import InvalidRequest
+
+    path = str(tmp_path / "mixtral")
+    hf_models.build("mixtral", path)
+    for kw, needle in ((dict(tp=2), "--tp 1"), (dict(cpu_matmul="kernel"), "mixture-of-experts")):
+        engine = Engine(small_args(models=[ModelSpec(name="m", path=path)], **kw))
+        with pytest.raises(InvalidRequest, match=needle):
+            engine.load_all(progress=False, warmup=False)
+        engine.shutdown()
