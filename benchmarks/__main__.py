@@ -33,6 +33,10 @@ if __package__ in (None, ""):
 from benchmarks import common as C
 from benchmarks.constrained_decode import render as sec_constrained_decode
 from benchmarks.lora_decode import render as sec_lora_decode
+from benchmarks.moe_dispatch import render as sec_moe_dispatch
+from benchmarks.moe_vs_hf import render as sec_moe_vs_hf
+from benchmarks.spec_decode import render as sec_spec_decode
+from benchmarks.spec_decode import render_small as sec_spec_decode_small
 
 # job -> (module, extra args (quick), extra args (full), results file name (quick), (full))
 JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
@@ -43,6 +47,11 @@ JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "grammar_mask": ("grammar_mask", [], [], "grammar_mask", "grammar_mask"),
     "constrained_decode": ("constrained_decode", [], [], "constrained_decode", "constrained_decode"),
     "lora_decode": ("lora_decode", [], [], "lora_decode", "lora_decode"),
+    "spec_decode": ("spec_decode", [], [], "spec_decode", "spec_decode"),
+    "spec_decode_small": ("spec_decode", ["--model", "small"], ["--model", "small"], "spec_decode_small_quick",
+                          "spec_decode_small"),
+    "moe_vs_hf": ("moe_vs_hf", [], [], "moe_vs_hf", "moe_vs_hf"),
+    "moe_dispatch": ("moe_dispatch", [], [], "moe_dispatch", "moe_dispatch"),
     "profile_decode": ("profile_decode", [], [], "profile_decode", "profile_decode"),
     "profile_decode_batch": ("profile_decode", ["--batch", "4"], ["--batch", "16"],
                              "profile_decode_b4", "profile_decode_b16"),
@@ -693,6 +702,8 @@ def section(quick: bool) -> str:
     for job, render in (("start_time", sec_start_time), ("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate),
                         ("serve_load", sec_serve), ("ragged_step", sec_ragged_step), ("grammar_mask", sec_grammar_mask),
                         ("constrained_decode", sec_constrained_decode), ("lora_decode", sec_lora_decode),
+                        ("spec_decode", sec_spec_decode), ("spec_decode_small", sec_spec_decode_small),
+                        ("moe_vs_hf", sec_moe_vs_hf), ("moe_dispatch", sec_moe_dispatch),
                         ("parity", sec_parity), ("tests", sec_tests)):
         if docs[job]:
             lines += render(docs[job], quick)

@@ -9,7 +9,10 @@ GPU machine). Steps of `run`, each recorded in the summary even when it fails or
           error against a tolerance: tight for float32, loose for bfloat16), prompt logprobs
           through the serving path, and greedy tokens of 4 requests decoded together through
           the paged cache. A greedy mismatch passes only where HF's own top-2 margin at the
-          first differing step is below the tolerance (a near tie, not a bug).
+          first differing step is below the tolerance (a near tie, not a bug). The same for
+          one newer dense family and one mixture of experts (EXTRA_FAMILIES: Gemma 2 with
+          soft-caps and windows shorter than the long prompt, Qwen3-MoE with 8 experts top-2),
+          float32 and bfloat16 with the first attention backend only.
   bench   A random Llama written on the device (default ~1.1 B parameters: hidden 2048, 16
           layers, 32 heads, 8 KV heads, intermediate 8192, vocab 32000; bf16 safetensors),
           served in-process with `--dtype auto` (bfloat16 on GPU). For batch 1 / 16 / 64:
@@ -47,6 +50,10 @@ from benchmarks import common as C
 REPO = C.REPO_ROOT
 DEFAULT_WORK = os.path.join(REPO, ".device_check")
 TINY_FAMILY = "llama3"     # tests/helpers/hf_models.py: vocab 512, hidden 64, 2 layers, llama3 RoPE scaling
+# also checked (tiny-<family>/, reference-<family>.npz): a newer dense family (attention and final
+# soft-caps, a 24-token window on alternate layers, GeGLU, +1 norms) and a mixture of experts
+# (8 experts top-2, grouped expert matmuls: jax.lax.ragged_dot on GPU)
+EXTRA_FAMILIES = ("gemma2", "qwen3_moe")
 PARITY_PROMPTS = [list(range(3, 40)), [7, 8, 9], list(range(100, 130)), [11] * 5 + list(range(200, 251))]
 PARITY_NEW = 32
 
@@ -70,17 +77,38 @@ PLATFORM_TAGS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_
 # prepare (a machine with torch + transformers)
 # =============================================================================================
 def prepare(work: str, wheels: bool = False) -> dict:
-    """Tiny HF Llama + HF reference logits / greedy tokens under work/; optionally the wheels."""
+    """Tiny HF models + HF reference logits / greedy tokens under work/; optionally the wheels."""
+    t0 = time.perf_counter()
+    path, npz = _family_paths(work, TINY_FAMILY)
+    meta = _prepare_family(TINY_FAMILY, path, npz)
+    out = {"model": os.path.relpath(path, REPO) if path.startswith(REPO) else path, "reference": "reference.npz", **meta,
+           "extra_families": {}}
+    for fam in EXTRA_FAMILIES:
+        _prepare_family(fam, *_family_paths(work, fam))
+        out["extra_families"][fam] = {"model": f"tiny-{fam}", "reference": f"reference-{fam}.npz"}
+    out["seconds"] = C.rnd(time.perf_counter() - t0, 1)
+    if wheels:
+        out["wheels"] = download_wheels(os.path.join(work, "wheels"))
+    return out
+
+
+def _family_paths(work: str, family: str) -> tuple[str, str]:
+    """(model folder, reference .npz) of a family under work/ (the Llama keeps its original names)."""
+    if family == TINY_FAMILY:
+        return os.path.join(work, "tiny-llama"), os.path.join(work, "reference.npz")
+    return os.path.join(work, f"tiny-{family}"), os.path.join(work, f"reference-{family}.npz")
+
+
+def _prepare_family(family: str, path: str, npz: str) -> dict:
+    """One tiny random HF model (tests/helpers/hf_models.py) and its float32 reference outputs."""
     import numpy as np
     import torch
 
     from tests.helpers import hf_models
 
-    t0 = time.perf_counter()
-    path = os.path.join(work, "tiny-llama")
     if os.path.isdir(path):
         shutil.rmtree(path)
-    model = hf_models.build(TINY_FAMILY, path, seed=0)
+    model = hf_models.build(family, path, seed=0)
     arrays: dict[str, Any] = {}
     with torch.no_grad():
         for i, p in enumerate(PARITY_PROMPTS):
@@ -96,7 +124,7 @@ def prepare(work: str, wheels: bool = False) -> dict:
                 ids.append(tok)
             arrays[f"greedy_{i}"] = np.array(toks, np.int32)
             arrays[f"margin_{i}"] = np.array(margins, np.float64)
-    meta = {"family": TINY_FAMILY, "prompts": len(PARITY_PROMPTS), "new_tokens": PARITY_NEW,
+    meta = {"family": family, "prompts": len(PARITY_PROMPTS), "new_tokens": PARITY_NEW,
             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         import transformers
@@ -105,12 +133,13 @@ def prepare(work: str, wheels: bool = False) -> dict:
     except Exception:
         pass
     arrays["meta"] = np.array(json.dumps(meta))
-    np.savez(os.path.join(work, "reference.npz"), **arrays)
-    out = {"model": os.path.relpath(path, REPO) if path.startswith(REPO) else path, "reference": "reference.npz",
-           "seconds": C.rnd(time.perf_counter() - t0, 1), **meta}
-    if wheels:
-        out["wheels"] = download_wheels(os.path.join(work, "wheels"))
-    return out
+    np.savez(npz, **arrays)
+    return meta
+
+
+def prepared(work: str) -> bool:
+    """Every family's reference is under work/."""
+    return all(os.path.isfile(_family_paths(work, f)[1]) for f in (TINY_FAMILY, *EXTRA_FAMILIES))
 
 
 def download_wheels(dest: str) -> dict:
@@ -269,13 +298,23 @@ def _backend_of(worker) -> Optional[str]:
 
 
 def step_parity(work: str, cache_dir: str, tols: dict[str, float], backends: Sequence[str] = ("auto",)) -> dict:
+    """The tiny Llama at every dtype x backend; then EXTRA_FAMILIES at every dtype, first backend.
+    `tols` as given ({"float32": .., "bfloat16": None = 4% of each family's largest logit})."""
+    out = _parity_family(TINY_FAMILY, work, cache_dir, _tols(work, tols), backends)
+    out["families"] = {}
+    for fam in EXTRA_FAMILIES:
+        out["families"][fam] = r = _parity_family(fam, work, cache_dir, _tols(work, tols, fam), backends[:1])
+        out["ok"] = out["ok"] and r["ok"]
+    return out
+
+
+def _parity_family(family: str, work: str, cache_dir: str, tols: dict[str, float], backends: Sequence[str]) -> dict:
     import numpy as np
 
     from jax_engine.config import ModelSpec
     from jax_engine.engine import Engine
 
-    ref_path = os.path.join(work, "reference.npz")
-    path = os.path.join(work, "tiny-llama")
+    path, ref_path = _family_paths(work, family)
     if not os.path.isfile(ref_path):
         raise FileNotFoundError(f"{ref_path} is missing: run `bash benchmarks/device_check.sh prepare` first")
     ref = np.load(ref_path)
@@ -283,7 +322,7 @@ def step_parity(work: str, cache_dir: str, tols: dict[str, float], backends: Seq
     prompts = [ref[f"prompt_{i}"].tolist() for i in range(n)]
     ref_logits = [ref[f"logits_{i}"] for i in range(n)]
     absmax = max(float(np.abs(x).max()) for x in ref_logits)
-    out: dict[str, Any] = {"model": TINY_FAMILY, "prompts": n, "prompt_lens": [len(p) for p in prompts],
+    out: dict[str, Any] = {"model": family, "prompts": n, "prompt_lens": [len(p) for p in prompts],
                            "new_tokens": int(ref["greedy_0"].shape[0]), "ref_logits_absmax": C.rnd(absmax, 4)}
     ok = True
     # page size 16: the smallest the GPU Pallas kernels take, so `auto` runs them there
@@ -325,8 +364,8 @@ def step_parity(work: str, cache_dir: str, tols: dict[str, float], backends: Seq
             loop.close()
         out[key] = res
         ok = ok and res["ok"]
-        C.log(f"parity {key} ({res['attention_backend']}): logits err {res['logits_max_abs_err']} (tol {tol}), prompt lp err "
-              f"{res['prompt_logprobs_max_abs_err']}, greedy {res['greedy']['exact']}/{n} exact, ok {res['ok']}")
+        C.log(f"parity {family} {key} ({res['attention_backend']}): logits err {res['logits_max_abs_err']} (tol {tol}), "
+              f"prompt lp err {res['prompt_logprobs_max_abs_err']}, greedy {res['greedy']['exact']}/{n} exact, ok {res['ok']}")
     out["ok"] = ok
     return out
 
@@ -696,15 +735,14 @@ def run(a) -> int:
         steps = [s for s in steps if s == "parity"]
     save()
     if "parity" in steps:
-        ref = os.path.join(a.work, "reference.npz")
-        if not os.path.isfile(ref):
+        if not prepared(a.work):
             try:    # torch + transformers present (the dry run here; the H200 image has them too)
                 C.log("no prepared reference: preparing it now ...")
                 doc["prepared_here"] = prepare(a.work)
             except Exception as e:
                 doc["errors"].append(f"prepare: {type(e).__name__}: {e}")
     tols = {"float32": a.fp32_tol, "bfloat16": a.bf16_tol}
-    plan = [("parity", 20.0, lambda: step_parity(a.work, a.cache_dir, _tols(a.work, tols), a.parity_backends)),
+    plan = [("parity", 20.0, lambda: step_parity(a.work, a.cache_dir, tols, a.parity_backends)),
             ("bench", 60.0 if not a.dry_run else 10.0, lambda: step_bench(a, dl)),
             ("serve", 45.0 if not a.dry_run else 10.0, lambda: step_serve(a, dl))]
     for name, need_s, fn in plan:
@@ -739,12 +777,12 @@ def run(a) -> int:
     return 0 if doc["ok"] else 1
 
 
-def _tols(work: str, tols: dict) -> dict:
-    """The bfloat16 tolerance scales with the reference logits unless given."""
+def _tols(work: str, tols: dict, family: str = TINY_FAMILY) -> dict:
+    """The bfloat16 tolerance scales with the family's reference logits unless given."""
     if tols["bfloat16"] is None:
         import numpy as np
 
-        ref = np.load(os.path.join(work, "reference.npz"))
+        ref = np.load(_family_paths(work, family)[1])
         absmax = max(float(np.abs(ref[k]).max()) for k in ref.files if k.startswith("logits_"))
         tols = dict(tols, bfloat16=C.rnd(max(2e-3, 0.04 * absmax), 5))
     return tols
@@ -757,6 +795,10 @@ def headline(doc: dict) -> dict:
     for key, r in p.items():
         if isinstance(r, dict) and "logits_max_abs_err" in r:
             h[f"parity_{key}_err"] = r["logits_max_abs_err"]
+    for fam, fr in (p.get("families") or {}).items():
+        for key, r in fr.items():
+            if isinstance(r, dict) and "logits_max_abs_err" in r:
+                h[f"parity_{fam}_{key}_err"] = r["logits_max_abs_err"]
     b = doc.get("bench", {})
     for B, row in (b.get("batches") or {}).items():
         if "decode_tok_s" in row:

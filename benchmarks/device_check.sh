@@ -5,7 +5,9 @@
 #
 #   bash benchmarks/device_check.sh prepare [--wheels]   # HERE (CPU, torch + transformers):
 #        # .device_check/tiny-llama/ (tiny random HF Llama), .device_check/reference.npz (HF float32
-#        # logits, greedy tokens and top-2 margins); --wheels adds .device_check/wheels/ (cp312
+#        # logits, greedy tokens and top-2 margins), the same for a dense newer family and a mixture
+#        # of experts (tiny-gemma2/, tiny-qwen3_moe/, reference-<family>.npz; device_check.py's
+#        # EXTRA_FAMILIES, together < 2 MiB); --wheels adds .device_check/wheels/ (cp312
 #        # manylinux wheels of the deps the GPU image lacks, at the versions installed here, ~11 MiB)
 #   bash benchmarks/device_check.sh [run options]        # ON THE GPU (< 8 minutes; budget 420 s of steps)
 #        # options: --peak-tbps 4.8 --peak-tflops 989 --batches 1,16,64 --steps parity,bench,serve
@@ -19,9 +21,10 @@
 # prefill chunks in one flat token list; jax_engine/decode/runner.py): parity decodes all prompts
 # together and again staggered (the first prompt decoding while the others' chunks join its
 # steps: greedy_staggered), against transformers; the bench records the step's token and page
-# buckets. Expected time on an H200 (estimates, never measured): parity ~1 min (4 tiny engines,
-# lazy compiles), bench ~3 min (2.1 GiB model written, ~46 programs compiled: 19 token buckets
-# x 2 (greedy, sampling), 6 prompt-logprobs, 2 small; 3 batch sizes x 3 runs), serve ~1 min (the
+# buckets. Expected time on an H200 (estimates, never measured): parity ~2 min (8 tiny engines,
+# lazy compiles: the Llama at 2 dtypes x 2 backends, Gemma 2 and Qwen3-MoE at 2 dtypes), bench
+# ~3 min (2.1 GiB model written, ~46 programs compiled: 19 token buckets x 2 (greedy, sampling),
+# 6 prompt-logprobs, 2 small; 3 batch sizes x 3 runs), serve ~1 min (the
 # server's warmup reads the programs from the compilation cache the bench filled).
 # Each step starts only with enough of the budget left; a step that fails or is skipped is
 # recorded and the others still run. If the driver dies, the last line is still one JSON object.

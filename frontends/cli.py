@@ -107,6 +107,7 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     """The `serve` options; each default may come from its XLASERVE_* variable."""
     from frontends.http.app import DEFAULT_HTTP_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
     from jax_engine.config import EngineArgs
+    from jax_engine.spec import METHODS as SPEC_METHODS
 
     d = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.default is not dataclasses.MISSING}
     p = argparse.ArgumentParser(
@@ -136,6 +137,8 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
         help="weights/activations dtype (auto: bfloat16 on accelerators, float32 on CPU)")
     opt(m, "--quantize", default=d["quantize"], choices=["none", "int8"], help="weight-only quantization")
     opt(m, "--tp", type=_positive, default=d["tp"], help="tensor-parallel size")
+    opt(m, "--ep", type=_positive, default=d["ep"],
+        help="expert-parallel size (mixture-of-experts models: experts sharded over ep devices; a replica uses tp x ep)")
     opt(m, "--replicas", type=_positive, default=d["replicas"], help="data-parallel copies")
     opt(m, "--max-model-len", type=_positive, default=None,
         help="context limit (default: the model's, capped to fit memory)")
@@ -179,6 +182,14 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
         help="adapter slots per generation model (adapters loaded at once)")
     opt(lo, "--max-lora-rank", type=_positive, default=d["max_lora_rank"],
         help="largest adapter rank; every slot is padded to it, higher ranks are refused")
+
+    sp = p.add_argument_group("speculative decoding (no draft model; output unchanged, only faster)")
+    opt(sp, "--speculative", default=d["speculative"], choices=list(SPEC_METHODS),
+        help="guess each decoding row's next tokens and verify them in the same step: ngram (prompt lookup: "
+             "the tokens after the last earlier occurrence of the row's tail) or suffix (SuffixDecoding: this "
+             "request's text and a cache of the model's recent outputs); off")
+    opt(sp, "--num-speculative-tokens", type=_positive, default=d["num_speculative_tokens"],
+        help="most guesses per row and step (1..16)")
 
     lim = p.add_argument_group("request limits")
     opt(lim, "--max-prompt-tokens", type=_positive, default=None, help="prompt token limit (default: the context)")
@@ -344,7 +355,7 @@ def engine_args(ns: argparse.Namespace):
     from jax_engine.config import EngineArgs
 
     return EngineArgs(
-        models=ns.model_specs, dtype=ns.dtype, quantize=ns.quantize, tp=ns.tp, replicas=ns.replicas,
+        models=ns.model_specs, dtype=ns.dtype, quantize=ns.quantize, tp=ns.tp, ep=ns.ep, replicas=ns.replicas,
         max_model_len=ns.max_model_len, page_size=ns.page_size, page_bucket_ratio=ns.page_bucket_ratio, num_pages=ns.num_pages,
         max_running_requests=ns.max_running_requests, max_num_batched_tokens=ns.max_num_batched_tokens,
         max_waiting_requests=ns.max_waiting_requests, enable_prefix_cache=ns.enable_prefix_cache,
@@ -358,6 +369,7 @@ def engine_args(ns: argparse.Namespace):
         model_root=ns.model_root,
         enable_lora=ns.enable_lora or bool(ns.loras), loras=list(ns.loras), max_loras=ns.max_loras,
         max_lora_rank=ns.max_lora_rank,
+        speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens,
     )
 
 

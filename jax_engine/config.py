@@ -24,6 +24,7 @@ class ModelSpec:
     dtype: Optional[str] = None         # auto | float32 | bfloat16
     quantize: Optional[str] = None      # none | int8
     tp: Optional[int] = None
+    ep: Optional[int] = None            # expert-parallel size (mixture-of-experts models only)
     replicas: Optional[int] = None
     max_model_len: Optional[int] = None
     page_size: Optional[int] = None
@@ -41,6 +42,7 @@ class EngineArgs:
     dtype: str = "auto"
     quantize: str = "none"
     tp: int = 1
+    ep: int = 1                               # expert parallelism: experts sharded over ep devices (MoE only)
     replicas: int = 1
     max_model_len: Optional[int] = None
     page_size: int = 16
@@ -71,6 +73,9 @@ class EngineArgs:
     loras: list[tuple[str, str]] = field(default_factory=list)   # (name, path) loaded into the default generator
     max_loras: int = 8                        # adapter slots per generation model
     max_lora_rank: int = 64                   # adapters of a higher rank are refused
+    # speculative decoding without a draft model (jax_engine/spec, jax_engine/decode/speculate.py)
+    speculative: str = "off"                  # off | ngram | suffix
+    num_speculative_tokens: int = 4           # most guesses per row and step (1..MAX_SPECULATIVE_TOKENS)
 
 
 CPU_TOKEN_BUDGET = 64
@@ -109,6 +114,7 @@ class ResolvedSpec:
     enable_prefix_cache: bool
     prefix_cache_ttl_s: float
     random_weights: bool
+    ep: int = 1                         # expert-parallel size: each replica uses tp x ep devices
 
 
 def _pick(pinned, inherited):
@@ -163,5 +169,6 @@ def resolve(spec: ModelSpec, args: EngineArgs) -> ResolvedSpec:
         enable_prefix_cache=_pick(spec.enable_prefix_cache, args.enable_prefix_cache),
         prefix_cache_ttl_s=spec.prefix_cache_ttl_s,
         random_weights=is_random_weights(spec),
+        ep=_pick(spec.ep, args.ep),
     )
 

@@ -181,6 +181,29 @@ class AdapterInfo:
 
 
 @dataclass
+class SpecStats:
+    """Speculative decoding of one model (--speculative): guesses proposed and accepted."""
+
+    method: str                         # ngram | suffix
+    num_speculative_tokens: int         # most guesses per row and step
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_rows: int = 0                # row verifications that carried at least one guess
+    accepted_histogram: list[int] = field(default_factory=list)   # [a]: verifications accepting a guesses
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted / proposed guesses."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens a speculating row emits per step on average (accepted guesses + the one the
+        step draws itself): SGLang's accept length."""
+        return 1.0 + self.accepted_tokens / self.verify_rows if self.verify_rows else 0.0
+
+
+@dataclass
 class MatmulRoute:
     """Which path serves one decoder matrix for a range of rows (--cpu-matmul; see
     jax_engine/kernels/choose.py): path "kernel" or "xla"; weight "all" when one path was forced."""
@@ -211,5 +234,6 @@ class ModelStats:
     preemptions: int = 0
     lora_slots_used: int = 0             # LoRA adapter slots holding an adapter (per replica: the same)
     lora_slots_total: int = 0            # --max-loras when LoRA is enabled, else 0
+    spec: Optional[SpecStats] = None     # speculative decoding (None when --speculative off)
     matmul_routes: list[MatmulRoute] = field(default_factory=list)
     replicas: list["ModelStats"] = field(default_factory=list)

@@ -13,7 +13,7 @@ from typing import Any, AsyncGenerator, Callable, Iterable, Optional
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from frontends.common.errors import code_name
 from jax_engine.api import EngineAPI, EngineArgs, ModelSpec, RequestCounters, Tokenizer
@@ -25,6 +25,7 @@ from jax_engine.types import (
     GenerateRequest,
     ModelInfo,
     ModelStats,
+    SpecStats,
 )
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -231,6 +232,41 @@ def _counted(method: Callable[..., Any], path: str, record: Callable[[str, str, 
     return unary
 
 
+class _SpecFamilies:
+    """Speculative decoding per model (only models served with --speculative appear)."""
+
+    def __init__(self) -> None:
+        self.models = 0
+        self.proposed = CounterMetricFamily("xlaserve_spec_proposed_tokens", "Speculative guesses verified",
+                                            labels=["model"])
+        self.accepted = CounterMetricFamily("xlaserve_spec_accepted_tokens", "Speculative guesses accepted",
+                                            labels=["model"])
+        self.rate = GaugeMetricFamily("xlaserve_spec_accept_rate", "Accepted / proposed speculative guesses",
+                                      labels=["model"])
+        self.length = GaugeMetricFamily("xlaserve_spec_accept_length",
+                                        "Tokens a speculating row emits per step (accepted guesses + 1)",
+                                        labels=["model"])
+        self.hist = HistogramMetricFamily("xlaserve_spec_accepted_per_step",
+                                          "Guesses accepted per row verification", labels=["model"])
+
+    def add(self, model: str, st: SpecStats) -> None:
+        self.models += 1
+        self.proposed.add_metric([model], float(st.proposed_tokens))
+        self.accepted.add_metric([model], float(st.accepted_tokens))
+        self.rate.add_metric([model], st.accept_rate)
+        self.length.add_metric([model], st.accept_length)
+        cum, buckets = 0, []
+        for a, n in enumerate(st.accepted_histogram):
+            cum += n
+            buckets.append((str(a), float(cum)))
+        buckets.append(("+Inf", float(cum)))
+        total = sum(a * n for a, n in enumerate(st.accepted_histogram))
+        self.hist.add_metric([model], buckets, float(total))
+
+    def families(self) -> Iterable:
+        return [self.proposed, self.accepted, self.rate, self.length, self.hist]
+
+
 class _EngineCollector:
     """Engine state read at scrape time."""
 
@@ -260,6 +296,7 @@ class _EngineCollector:
         }
         g_fam = {k: GaugeMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in gauges.items()}
         c_fam = {k: CounterMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in counters.items()}
+        spec = _SpecFamilies()
         routes = GaugeMetricFamily("xlaserve_cpu_matmul_path",
                                    "1 for the path (kernel or xla) serving each decoder matrix and row class",
                                    labels=["model", "weight", "shape_class", "path"])
@@ -274,9 +311,13 @@ class _EngineCollector:
                 c_fam[k].add_metric([info.name], float(getattr(st, attr, 0) or 0))
             for r in st.matmul_routes:
                 routes.add_metric([info.name, r.weight, r.shape_class, r.path], 1.0)
+            if st.spec is not None:
+                spec.add(info.name, st.spec)
         yield from g_fam.values()
         yield from c_fam.values()
         yield routes
+        if spec.models:
+            yield from spec.families()
         engine_req = CounterMetricFamily("xlaserve_engine_requests",
                                          "Engine requests: accepted, and each terminal outcome", labels=["outcome"])
         for outcome, value in e.counters.snapshot().items():

@@ -540,7 +540,9 @@ def _scheduler_load(rank: int, s: Any, info: ModelInfo, sections: set[str],
         load.queues.CopyFrom(pb.QueueMetrics(waiting=s.waiting_requests, grammar=s.grammar_queue))
     if lora is not None:
         load.lora.CopyFrom(lora)
-    # "spec": no speculative decoding here, so that section stays unset.
+    if "spec" in sections and s.spec is not None:      # served with --speculative: SGLang's accept length and rate
+        load.speculative.CopyFrom(pb.SpeculativeMetrics(accept_length=s.spec.accept_length,
+                                                        accept_rate=s.spec.accept_rate))
     return load
 
 

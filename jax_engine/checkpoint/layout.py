@@ -49,8 +49,10 @@ LAYOUT: dict[str, Kind] = {
     "layers/ln1": Kind(P(None, None), float32=True),
     "layers/ln2": Kind(P(None, None), float32=True),
     "layers/router": Kind(P(None, None, None)),                      # MoE [L, H, E]
-    "layers/experts_gate_up": Kind(P(None, None, None, None, "model")),   # [L, E, H, 2, I]
-    "layers/experts_down": Kind(P(None, None, "model", None)),            # [L, E, I, H]
+    # MoE experts: E over the expert-parallel axis 'expert' (--ep; meshes without it leave E whole),
+    # each expert's I over 'model' (jax_engine/models/moe.py runs them under shard_map)
+    "layers/experts_gate_up": Kind(P(None, "expert", None, None, "model")),   # [L, E, H, 2, I]
+    "layers/experts_down": Kind(P(None, "expert", "model", None)),            # [L, E, I, H]
     "layers/post_attn_norm": Kind(P(None, None), float32=True),     # Gemma's sandwich norms
     "layers/post_ff_norm": Kind(P(None, None), float32=True),
     "layers/q_norm": Kind(P(None, None), float32=True),
@@ -60,10 +62,16 @@ QUANTIZABLE = frozenset(n for n, k in LAYOUT.items() if k.quantizable)
 LAYERS = "layers/"
 
 
+def on_mesh(spec: P, mesh: Mesh) -> P:
+    """`spec` with the axis names `mesh` does not have replaced by None (the 'expert' axis exists
+    only on expert-parallel meshes)."""
+    return P(*(a if a is None or a in mesh.axis_names else None for a in spec))
+
+
 def sharding_for(name: str, mesh: Optional[Mesh]) -> Any:
     if mesh is None:
         return jax.local_devices()[0]
-    return NamedSharding(mesh, LAYOUT[name].spec)
+    return NamedSharding(mesh, on_mesh(LAYOUT[name].spec, mesh))
 
 
 def scale_sharding_for(name: str, mesh: Optional[Mesh]) -> Any:

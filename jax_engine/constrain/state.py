@@ -43,6 +43,23 @@ class GrammarState:
     def error(self) -> str:
         return self.matcher.get_error()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (proposed continuations) the grammar accepts in a row, without
+        moving this state."""
+        return int(self.matcher.validate_tokens(tokens)) if tokens else 0
+
+    def fill_ahead(self, tokens: list[int], out: np.ndarray, row: int) -> None:
+        """Rows row, row + 1, ... row + len(tokens) of out: the next-token bitmask here and after
+        each prefix of `tokens` (a speculating row's positions; tokens must be a valid prefix),
+        leaving this state where it was."""
+        m = self.matcher
+        for j in range(len(tokens) + 1):
+            if j:
+                m.consume_token(tokens[j - 1])
+            llguidance.numpy.fill_next_token_bitmask(m, out, row + j)
+        if tokens:
+            m.rollback(len(tokens))
+
 
 def fill_masks(rows: list[tuple[GrammarState, int]], out: np.ndarray) -> None:
     """Write each state's next-token bitmask into row j of out ([n, words] int32, bit t of word

@@ -23,11 +23,19 @@ class SamplingRow:
 
 @dataclass
 class SampleRow:
-    """A token to draw from a step row's last logits, for the sequence owning penalty slot `slot_id`
-    (a prompt's n > 1 sequences draw their first tokens from the same row)."""
+    """A token to draw from a step row's logits, for the sequence owning penalty slot `slot_id`
+    (a prompt's n > 1 sequences draw their first tokens from the same row).
+
+    Speculative decoding verifies a row's proposed tokens d1..dk with one sample per position:
+    sample j sits at row token `at` = j, is checked against `draft` = d(j+1) (-1 for the last
+    position: a free draw) and counts `prior` = d1..dj as already generated (penalties). The
+    samples of one row are consecutive; the first failed check ends what the row emits."""
 
     slot_id: int
     sampling: SamplingRow
+    at: int = -1                        # index into the row's tokens (-1: its last token)
+    draft: int = -1                     # the proposed next token this sample verifies (-1: none)
+    prior: list = field(default_factory=list)   # proposed tokens before this position (penalty counts)
 
 
 @dataclass

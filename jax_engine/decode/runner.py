@@ -15,6 +15,13 @@ Programs (each compiled ahead of time per bucket at warmup, looked up through Pr
   set_slot                    (re)initialise a row of the penalty state
   lora_write                  (LoRA enabled) write one adapter into a slot of the LoRA bank, so
                               loading an adapter compiles nothing
+With speculative decoding enabled (--speculative) each step bucket also has a "spec" variant,
+key (T, P[, "lora"], "spec"): it draws one sample row per verified position (S = min(T,
+max_running x (1 + K)) sample rows instead of R), checks each position's proposed token
+(sampling.verify: greedy = the argmax, sampled = the rejection rule), counts a row's earlier
+guesses in its penalties, and adds to the penalty counts only what is emitted; a step in which no
+row guesses runs the plain program. Its buckets are x1.25 apart from 32 tokens on (not 64), and
+`time_steps` measures every step program at warmup for the scheduler's cost model.
 With LoRA enabled each step bucket has a second variant, key (T, P, "lora"), that also takes the
 bank and each token's slot (jax_engine/lora/bank.py) and adds the LoRA term; a step with no
 adapter row runs the plain program, so base-model traffic runs exactly what a server without
@@ -40,6 +47,7 @@ import functools
 import inspect
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
@@ -116,6 +124,7 @@ class StepResult:
     top_ids: np.ndarray
     starts: list[int]
     hidden: Callable[[], np.ndarray]
+    accepted: Optional[np.ndarray] = None     # speculation: per sample row, its proposed token was accepted
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
@@ -146,6 +155,7 @@ class RunnerConfig:
     page_bucket_ratio: int = 2
     lora_slots: int = 0         # LoRA adapter slots (0 = LoRA disabled: no bank, programs as without it)
     lora_rank: int = 0          # every slot padded to this rank
+    spec_tokens: int = 0        # most proposed tokens per row (speculative decoding; 0 = off, no spec programs)
 
 
 class StepPublisher(Protocol):
@@ -185,7 +195,10 @@ class ModelRunner:
         self.dtype = dtype
         # every running row decodes in every step, so the budget is never below the row count
         self.max_tokens = max(rc.max_batched_tokens, rc.max_running)
-        self.token_buckets = step_buckets(self.max_tokens)
+        # speculation puts 1 + K tokens per decoding row in a step (8 rows, K = 4: 40), so its
+        # steps get the x1.25 buckets from 32 on instead of from 64 (a 40-token step ran in the
+        # 64 bucket at 1.6x the work)
+        self.token_buckets = step_buckets(self.max_tokens, fine_from=32 if rc.spec_tokens > 0 else 64)
         self.lp_buckets = pow2_buckets(min(rc.min_token_bucket, self.max_tokens), self.max_tokens)
         self.p_max = math.ceil(rc.max_model_len / rc.page_size)
         be = attention.get(cfg.attention_backend)
@@ -198,6 +211,7 @@ class ModelRunner:
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else jax.local_devices()[0]
         self.kv_dtype = backend.kv_dtype(dtype)
         self.state = self._new_state()
+        self.step_ms: dict[tuple[int, bool], float] = {}     # speculation's cost model (time_steps)
         self.lora: Optional[lora_bank.Bank] = (
             lora_bank.new_bank(cfg, rc.lora_slots, rc.lora_rank, dtype, mesh) if rc.lora_slots > 0 else None)
         self._register()
@@ -237,23 +251,42 @@ class ModelRunner:
         max_running rows are admitted (a prompt's n sequences count as n)."""
         return min(T, self.rc.max_running)
 
+    def samples_for(self, T: int, spec: bool) -> int:
+        """Sample rows of the step program with T tokens: one per row, or with speculation one per
+        verified position (a row's token and each proposed token), still at most one per token."""
+        return min(T, self.rc.max_running * (1 + self.rc.spec_tokens)) if spec else self.rows_for(T)
+
     def _register(self) -> None:
         cfg, ps, top_n = self.cfg, self.rc.page_size, self.rc.top_n
         # Step outputs are replicated over the mesh so any process can read them locally (multihost.py).
         rep = (lambda t: jax.lax.with_sharding_constraint(t, self._replicated)) if self.mesh is not None else (lambda t: t)
 
-        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, mask, lora, *, mode):
+        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, mask, lora, spec, *, mode):
             """The model over the step's tokens (KV written; `lora` = (bank, token slots) or None),
-            then per sample row: penalties, bias, bans, the grammar mask, the draw, logprobs and the
-            penalty-count update; also the final hidden states."""
+            then per sample row: penalties, bias, bans, the grammar mask, the draw (or, with `spec`,
+            the verification of each position's proposed token), logprobs and the penalty-count
+            update of the emitted tokens; also the final hidden states."""
             h, k, v = llama.forward(params, cfg, state["k"], state["v"], inp, ps, lora)
-            raw = llama.lm_head(params, cfg, h[sample_idx])                  # [R, V] float32
-            logits = sampling.process_logits(raw, sa, state["counts"][slot_ids], state["pm"][slot_ids])
+            raw = llama.lm_head(params, cfg, h[sample_idx])                  # [S, V] float32
+            counts = state["counts"][slot_ids]
+            if spec is not None:     # position j of a row sees its proposals d1..dj as generated
+                counts = counts.at[jnp.arange(counts.shape[0])[:, None], spec.prior].add(1, mode="drop")
+            logits = sampling.process_logits(raw, sa, counts, state["pm"][slot_ids])
             logits = sampling.apply_token_mask(logits, mask)
-            tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
+            if spec is None:
+                tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
+                inc, acc = 1, jnp.zeros_like(tok)
+            else:
+                tok, acc = sampling.verify(logits, sa, spec.draft, greedy_only=mode == "greedy")
+                inc = sampling.emitted(acc, spec.draft, spec.group_start).astype(jnp.int32)
             chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
-            counts = state["counts"].at[slot_ids, tok].add(1)
-            return rep((tok, chosen, top_v, top_i, h)), {**state, "k": k, "v": v, "counts": counts}
+            counts = state["counts"].at[slot_ids, tok].add(inc)
+            bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+            # one [S, 3 + 2N] int32 array (one device-to-host copy instead of five):
+            # token, logprob bits, accepted, top-N logprob bits, top-N ids
+            small = jnp.concatenate([tok[:, None], bits(chosen)[:, None], acc.astype(jnp.int32)[:, None],
+                                     bits(top_v), top_i], axis=1)
+            return rep((small, h)), {**state, "k": k, "v": v, "counts": counts}
 
         def prompt_logprobs(params, h, next_tokens):
             """Logprob (and top-N) of next_tokens[t] after position t, from the chunk's hidden states."""
@@ -281,6 +314,13 @@ class ModelRunner:
                                                          out_shardings=shardings))
 
     def _put(self, *arrays):
+        """A step's host arrays as program arguments. On one device they go as numpy arrays: the
+        compiled program's C++ call path copies them in, ~25 us per array cheaper than
+        jax.device_put's Python path; with ~25 small arrays per step that made a batch-8 decode
+        step of the trained 3 M model (benchmarks/train_tiny.py) 1.49 instead of 2.69 ms on the
+        2-core reference machine. On a mesh they are placed replicated explicitly."""
+        if self.mesh is None:
+            return tuple(np.asarray(a) for a in arrays)
         return jax.device_put(arrays, self._replicated)
 
     def _sa(self, rows: list, R: int) -> sampling.SamplingArrays:
@@ -323,6 +363,11 @@ class ModelRunner:
         R = self.rows_for(T)
         if len(rows) > R:
             raise ValueError(f"{len(rows)} rows exceed the step's {R}")
+        spec = any(smp.draft >= 0 for r in rows for smp in r.samples)
+        if spec and self.rc.spec_tokens <= 0:
+            raise ValueError("a row carries proposed tokens but speculative decoding is not enabled")
+        S = self.samples_for(T, spec)
+        K = max(1, self.rc.spec_tokens)
         tokens = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slots = np.zeros(T, np.int32)
@@ -332,9 +377,12 @@ class ModelRunner:
         kv_lens = np.zeros(R, np.int32)
         cu = np.zeros(R + 1, np.int32)
         lora_slot = np.zeros(T, np.int32)
-        sample_idx = np.zeros(R, np.int32)
-        slot_ids = np.full(R, self.dummy_slot, np.int32)
-        samp: list[Optional[SamplingRow]] = [None] * R
+        sample_idx = np.zeros(S, np.int32)
+        slot_ids = np.full(S, self.dummy_slot, np.int32)
+        samp: list[Optional[SamplingRow]] = [None] * S
+        draft = np.full(S, -1, np.int32)
+        group_start = np.arange(S, dtype=np.int32)
+        prior = np.full((S, K), self.cfg.vocab_size, np.int32)
         t = j = 0
         for i, r in enumerate(rows):
             n = len(r.tokens)
@@ -350,8 +398,14 @@ class ModelRunner:
             lora_slot[t:t + n] = r.lora_slot
             table[i, :used] = pages
             kv_lens[i] = end
+            g = j
             for s in r.samples:
-                sample_idx[j], slot_ids[j], samp[j] = t + n - 1, s.slot_id, s.sampling
+                if j >= S:
+                    raise ValueError(f"{sum(len(x.samples) for x in rows)} samples exceed the step's {S}")
+                sample_idx[j], slot_ids[j], samp[j] = t + (s.at if s.at >= 0 else n - 1), s.slot_id, s.sampling
+                if s.draft >= 0 or s.prior:
+                    draft[j], group_start[j] = s.draft, g
+                    prior[j, :len(s.prior)] = s.prior
                 j += 1
             t += n
             cu[i + 1] = t
@@ -365,8 +419,12 @@ class ModelRunner:
             if self.lora is None:
                 raise ValueError("a row carries a LoRA slot but LoRA is not enabled")
             lora, key = (self.lora, self._put(lora_slot)[0]), (T, Pb, "lora")
-        return key, (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, R),
-                     self._mask_arg(masks, R), lora)
+        spec_arrays = None
+        if spec:
+            key = key + ("spec",)
+            spec_arrays = sampling.SpecArrays(*self._put(draft, group_start, prior))
+        return key, (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, S),
+                     self._mask_arg(masks, S), lora, spec_arrays)
 
     @mirrored
     def step(self, rows: list[StepRow], greedy: bool, masks: Optional[np.ndarray] = None) -> StepResult:
@@ -374,11 +432,14 @@ class ModelRunner:
         _step_args (None: no row is constrained)."""
         key, args = self._step_args(rows, masks)
         prog = "step_greedy" if greedy else "step_sample"
-        (tok, lp, top_v, top_i, h), self.state = self._run(prog, key, args)
+        (small, h), self.state = self._run(prog, key, args)
         n = sum(len(r.samples) for r in rows)
         starts = np.cumsum([0] + [len(r.tokens) for r in rows])[:-1].tolist()
-        return StepResult(_fetch(tok)[:n], _fetch(lp)[:n], _fetch(top_v)[:n], _fetch(top_i)[:n], starts,
-                          lambda: _fetch(h))
+        a = _fetch(small)[:n]
+        N = self.rc.top_n
+        f32 = np.float32
+        return StepResult(a[:, 0], a[:, 1].view(f32), a[:, 3:3 + N].view(f32), a[:, 3 + N:], starts,
+                          lambda: _fetch(h), a[:, 2].astype(bool) if "spec" in key else None)
 
     @mirrored
     def prompt_logprobs(self, h_rows: np.ndarray, next_tokens: list[int], n: int) -> tuple[np.ndarray, ...]:
@@ -433,7 +494,9 @@ class ModelRunner:
             for Pb in self.page_buckets:
                 # a step needing this page bucket holds at most max_running rows of Pb * ps tokens
                 if lower < mr * Pb * ps or Pb == self.page_buckets[-1]:
-                    for k in [(T, Pb)] + ([(T, Pb, "lora")] if self.lora is not None else []):
+                    base = [(T, Pb)] + ([(T, Pb, "lora")] if self.lora is not None else [])
+                    spec = [k + ("spec",) for k in base] if self.rc.spec_tokens > 0 else []
+                    for k in base + spec:
                         keys += [("step_greedy", k), ("step_sample", k)]
         keys += [("prompt_logprobs", (T,)) for T in self.lp_buckets]
         keys += [("lora_write", ())] if self.lora is not None else []
@@ -447,9 +510,10 @@ class ModelRunner:
             k = min(self.rows_for(T), -(-T // span))         # rows of up to `span` tokens each
             sizes = [T // k + (1 if i < T % k else 0) for i in range(k)]
             temp = 0.0 if prog == "step_greedy" else 1.0
+            draft = 0 if "spec" in key else -1
             rows = [StepRow(tokens=[0] * n, start=max(0, span - n), pages=[0] * Pb,
-                            samples=[SampleRow(self.dummy_slot, SamplingRow(temperature=temp))],
-                            lora_slot=1 if len(key) > 2 else 0) for n in sizes]
+                            samples=[SampleRow(self.dummy_slot, SamplingRow(temperature=temp), draft=draft)],
+                            lora_slot=1 if "lora" in key else 0) for n in sizes]
             got_key, args = self._step_args(rows)
             assert got_key == key, (got_key, key)
             return args
@@ -471,3 +535,63 @@ class ModelRunner:
                           disable=not progress, unit="prog"):
                 f.result()
         self.programs.warm = True
+        if self.rc.spec_tokens > 0 and self.mirror is None and jax.process_count() == 1:
+            self.time_steps()
+
+    def time_steps(self, repeats: int = 5, context: int = 256) -> None:
+        """Speculation's cost model: the wall time of a whole greedy `step` call (argument
+        building, transfer, the program, fetching the tokens) per token bucket, plain and "spec",
+        best of `repeats`, in ms by (token bucket, spec), on dummy rows at `context` positions:
+        min(T, max_running) rows sharing the bucket's tokens, every position sampled in a spec
+        step (as verification does). How many guesses a step should carry depends on what a wider
+        step costs on this host: on the 2-core reference machine the trained 3 M-parameter model
+        (benchmarks/train_tiny.py, 8 rows) took ~3.3 ms per step of 8 decode tokens, of which
+        ~1.2 ms building arguments and ~1.4 ms waiting for the device, against ~7-8 ms of device
+        time alone for 64 tokens; on an accelerator a step of 40 tokens costs what one of 8 does.
+        Not run on a multi-host slice (the calls would have to be mirrored); the planner then
+        treats every width as equal. Timings on a busy host are noisy, so the table is made
+        monotone: a wider bucket never costs less than a narrower one, a "spec" program never less
+        than the plain one."""
+        out: dict[tuple[int, bool], float] = {}
+        compiled = set(self.programs.keys())
+        for T in self.token_buckets:
+            for spec in ((False, True) if self.rc.spec_tokens > 0 else (False,)):
+                rows = self._timing_rows(T, spec, context, compiled)
+                if rows is None:
+                    continue
+                best = math.inf
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    self.step(rows, True)
+                    best = min(best, time.perf_counter() - t0)
+                out[(T, spec)] = best * 1000.0
+        floor = 0.0
+        for T in self.token_buckets:
+            for spec in (False, True):
+                if (T, spec) in out:
+                    floor = out[(T, spec)] = max(floor, out[(T, spec)])
+        self.step_ms = out
+
+    def _timing_rows(self, T: int, spec: bool, context: int, compiled: set) -> Optional[list[StepRow]]:
+        """Dummy rows filling token bucket T exactly (KV written to reserved page 0), or None when
+        no compiled program fits them."""
+        ps, S = self.rc.page_size, self.samples_for(T, spec)
+        R = self.rows_for(T)
+        sizes = [T // R + (1 if i < T % R else 0) for i in range(R)]
+        room = S
+        rows = []
+        for n in sizes:
+            k = min(n, max(1, room - (R - len(rows) - 1))) if spec else 1
+            room -= k
+            samples = [SampleRow(self.dummy_slot, SamplingRow(), at=n - k + j, draft=0 if spec and j < k - 1 else -1)
+                       for j in range(k)]
+            if spec and k == 1:
+                samples[0].draft = 0
+            start = max(0, min(context, self.p_max * ps - n))
+            rows.append(StepRow(tokens=[0] * n, start=start, pages=[0] * self.p_max, samples=samples))
+        key = self.step_shape(rows) + (("spec",) if spec else ())
+        return rows if ("step_greedy", key) in compiled else None
+
+    def step_cost(self, tokens: int, spec: bool) -> float:
+        """Measured ms of a greedy step over `tokens` tokens (time_steps); 1.0 when not measured."""
+        return self.step_ms.get((pick(self.token_buckets, max(1, tokens)), spec), 1.0)

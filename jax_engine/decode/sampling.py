@@ -44,6 +44,19 @@ class SamplingArrays:
     steps: jax.Array         # [R] i32 tokens generated so far
 
 
+@dataclass
+class SpecArrays:
+    """Speculative verification inputs per sample row (only the step programs of the "spec" variant
+    take them; see rows.SampleRow)."""
+
+    draft: jax.Array         # [R] i32 the proposed token this position checks (-1: none)
+    group_start: jax.Array   # [R] i32 the first sample row of this row's group
+    prior: jax.Array         # [R, K] i32 proposed tokens before this position (V: padding)
+
+
+jax.tree_util.register_dataclass(SpecArrays, data_fields=["draft", "group_start", "prior"], meta_fields=[])
+
+
 jax.tree_util.register_dataclass(
     SamplingArrays,
     data_fields=["temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen",
@@ -160,15 +173,11 @@ def _exact_threshold(scaled: jax.Array, m: jax.Array, sa: "SamplingArrays") -> j
     return jnp.maximum(t_k, below)
 
 
-def sample(logits: jax.Array, sa: "SamplingArrays") -> jax.Array:
-    """Draw one token per row; rows with temperature 0 take the argmax.
+def _kept(logits: jax.Array, sa: "SamplingArrays") -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(scaled logits, row max [R, 1], kept-set threshold key [R], first argmax [R]) of each row.
 
     Kept set: temperature -> top-k -> top-p over the renormalised top-k mass -> min-p, as one
-    threshold on the row's scaled logits (ties at the cut are kept, as vLLM's top-k mask does). The
-    draw is an inverse CDF over the kept tokens in vocabulary order with one uniform per row from
-    fold_in(key(seed), step), so a row's token depends only on its own logits, parameters, seed and
-    step, whichever path its batch took. No [rows, vocab] intermediate is materialised beyond what
-    XLA fuses: page-faulting fresh buffers cost ~0.5 ms per MB on the reference VM."""
+    threshold on the row's scaled logits (ties at the cut are kept, as vLLM's top-k mask does)."""
     R, V = logits.shape
     is_greedy = sa.temperature <= 0.0
     inv_t = (1.0 / jnp.where(is_greedy, 1.0, sa.temperature))[:, None]
@@ -196,10 +205,68 @@ def sample(logits: jax.Array, sa: "SamplingArrays") -> jax.Array:
     thr = jax.lax.cond(jnp.any(needs),
                        lambda: jnp.where(needs, jnp.maximum(_exact_threshold(scaled, m, sa), t_min), thr),
                        lambda: thr)
+    return scaled, m, thr, cand_i[:, 0]                   # cand_i[:, 0] is the first argmax, as greedy()
+
+
+def _uniforms(sa: "SamplingArrays", salt: Optional[int] = None) -> jax.Array:
+    """One uniform per row from fold_in(key(seed), step) (further folded with `salt` for a second,
+    independent stream at the same step)."""
     keys = jax.vmap(jax.random.fold_in)(sa.seeds, sa.steps)
-    u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
-    token = _draw(scaled, m, thr, u)
-    return jnp.where(is_greedy, cand_i[:, 0], token)      # cand_i[:, 0] is the first argmax, as greedy()
+    if salt is not None:
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, salt))(keys)
+    return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+
+
+def sample(logits: jax.Array, sa: "SamplingArrays") -> jax.Array:
+    """Draw one token per row; rows with temperature 0 take the argmax.
+
+    The draw is an inverse CDF over the kept tokens (_kept) in vocabulary order with one uniform
+    per row from fold_in(key(seed), step), so a row's token depends only on its own logits,
+    parameters, seed and step, whichever path its batch took. No [rows, vocab] intermediate is
+    materialised beyond what XLA fuses: page-faulting fresh buffers cost ~0.5 ms per MB on the
+    reference VM."""
+    scaled, m, thr, top1 = _kept(logits, sa)
+    token = _draw(scaled, m, thr, _uniforms(sa))
+    return jnp.where(sa.temperature <= 0.0, top1, token)
+
+
+ACCEPT_SALT = 0x5EC0DE     # the acceptance test's stream, independent of the draw's at the same step
+
+
+def verify(logits: jax.Array, sa: "SamplingArrays", draft: jax.Array, greedy_only: bool) -> tuple[jax.Array, jax.Array]:
+    """Speculative verification, one row per position: (token [R], accepted [R]).
+
+    A row with a proposed token d (draft >= 0) accepts it with the probability p(d) the row's own
+    sampling gives it (its kept set, renormalised), else draws from that distribution with d
+    removed: for a deterministic proposal this is the standard rejection rule (Leviathan et al.
+    2023, Chen et al. 2023) and leaves the output distribution exactly p. Greedy rows accept d iff
+    it is the argmax and emit the argmax either way. Rows without a draft draw as sample() does.
+    The returned token is what the row emits if every earlier position of its row was accepted."""
+    has = draft >= 0
+    if greedy_only:
+        tok = greedy(logits)
+        return tok, has & (tok == draft)
+    R, V = logits.shape
+    rows = jnp.arange(R)
+    scaled, m, thr, top1 = _kept(logits, sa)
+    s_d = scaled[rows, jnp.where(has, draft, 0)]
+    w_d = jnp.where(has & (_order_key(s_d) >= thr), jnp.exp(s_d - m[:, 0]), 0.0)
+    total = jnp.sum(jnp.where(_order_key(scaled) >= thr[:, None], jnp.exp(scaled - m), 0.0), axis=-1)
+    take = _uniforms(sa, ACCEPT_SALT) * total < w_d
+    residual = scaled.at[rows, jnp.where(has, draft, V)].set(NEG_INF, mode="drop")
+    token = _draw(residual, m, thr, _uniforms(sa))
+    is_greedy = sa.temperature <= 0.0
+    tok = jnp.where(is_greedy, top1, jnp.where(take, draft, token))
+    return tok, has & jnp.where(is_greedy, top1 == draft, take)
+
+
+def emitted(accepted: jax.Array, draft: jax.Array, group_start: jax.Array) -> jax.Array:
+    """[R] bool: the positions whose token is emitted. Row i's positions are a group of consecutive
+    rows starting at group_start[i]; a position is emitted when every earlier one of its group with a
+    draft accepted it (a rejection ends the group: its own token, the correction, is still emitted)."""
+    fail = ((draft >= 0) & ~accepted).astype(jnp.int32)
+    before = jnp.cumsum(fail) - fail                        # failures strictly before each position
+    return before - before[group_start] == 0
 
 
 def _draw(scaled: jax.Array, m: jax.Array, thr: jax.Array, u: jax.Array) -> jax.Array:

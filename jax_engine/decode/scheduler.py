@@ -27,15 +27,18 @@ from jax_engine.decode.page_pool import PagePool, chain_hashes
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.decode.runner import ModelRunner, StepResult
 from jax_engine.decode.sequence import Request, SeqState, Sequence
+from jax_engine.decode.speculate import Drafter
 from jax_engine.types import GenerateOutput, TokenLogprob
 
 log = logging.getLogger("xlaserve.scheduler")
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, pool: PagePool, eos_ids: set[int], max_model_len: int, name: str):
+    def __init__(self, runner: ModelRunner, pool: PagePool, eos_ids: set[int], max_model_len: int, name: str,
+                 drafter: Optional[Drafter] = None):
         self.runner, self.pool, self.eos_ids, self.max_model_len = runner, pool, eos_ids, max_model_len
         self.name = name
+        self.drafter = drafter          # speculative decoding (None: off)
         rc = runner.rc
         self.max_running = rc.max_running
         self.budget = runner.max_tokens
@@ -150,7 +153,8 @@ class Scheduler:
     def step(self) -> None:
         self._admit()
         decoding = self._reserve_decode_pages()
-        chunks = self._plan_chunks(self.budget - len(decoding))
+        guesses = self._plan_drafts(decoding)
+        chunks = self._plan_chunks(self.budget - len(decoding) - guesses)
         if decoding or chunks:
             self._run_step(decoding, chunks)
 
@@ -164,6 +168,49 @@ class Scheduler:
             batch.append((seq, n))
             budget -= n
         return batch
+
+    def _plan_drafts(self, decoding: list[Sequence]) -> int:
+        """Speculation: each decoding sequence's guesses for this step (seq.drafts). Every row
+        proposes within its request's max_new_tokens, the model length and what its grammar
+        allows; the Drafter keeps the guesses worth their cost (speculate.py) within what the
+        decode tokens left of the token budget; their pages come only from free ones (a guess never
+        preempts anyone). Returns the number of guesses."""
+        for seq in decoding:
+            seq.drafts = []
+        d = self.drafter
+        room = self.budget - len(decoding)
+        if d is None or room <= 0:
+            return 0
+        limits = []
+        for seq in decoding:
+            if seq.spec is None:
+                seq.spec = d.start(seq.req.prompt_ids)
+            limits.append(min(room, d.max_tokens, seq.req.max_new_tokens - len(seq.output_ids) - 1,
+                              self.max_model_len - seq.total_len - 1))
+        # rows whose guesses could not pay even if every guess came: skip their proposer's work
+        tracks = [s.spec for s in decoding]
+        could = d.choose([[0] * max(0, k) for k in limits], tracks, len(decoding), room, self.runner.step_cost)
+        props: list[list[int]] = []
+        for seq, limit, c in zip(decoding, limits, could):
+            g = d.propose(seq.spec, seq.tokens, limit) if c > 0 else []
+            if g and seq.grammar is not None:
+                g = g[:seq.grammar.valid_prefix(g)]
+            props.append(g)
+        if not any(props):
+            return 0
+        take = d.choose(props, tracks, len(decoding), room, self.runner.step_cost)
+        total, ps = 0, self.page_size
+        for seq, g, k in zip(decoding, props, take):
+            g, n = g[:k], seq.total_len
+            while g and (n - 1 + len(g)) // ps >= len(seq.pages):
+                page = self.pool.allocate()
+                if page is None:
+                    g = g[:len(seq.pages) * ps - n]
+                    break
+                seq.pages.append(page)
+            seq.drafts = g
+            total += len(g)
+        return total
 
     def _rows_in_use(self) -> int:
         return len(self.running) + sum(1 + len(s.followers) for s in self.prefilling)
@@ -213,12 +260,15 @@ class Scheduler:
 
     def _run_step(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]]) -> None:
         rows: list[StepRow] = []
-        owners: list[Sequence] = []         # the sequence of each sample row, in the step's sample order
+        # each group of sample rows, in the step's sample order: (its sequence, the guesses it verifies)
+        owners: list[tuple[Sequence, list[int]]] = []
         for seq in decoding:
-            pos = seq.total_len - 1
-            rows.append(StepRow(tokens=[seq.tokens[-1]], start=pos, pages=seq.pages,
-                                samples=[SampleRow(seq.slot, self._sampling_row(seq))], lora_slot=seq.req.lora_slot))
-            owners.append(seq)
+            pos, g = seq.total_len - 1, seq.drafts
+            samples = [SampleRow(seq.slot, self._sampling_row(seq, ahead=j), at=j,
+                                 draft=g[j] if j < len(g) else -1, prior=g[:j]) for j in range(len(g) + 1)]
+            rows.append(StepRow(tokens=[seq.tokens[-1]] + g, start=pos, pages=seq.pages,
+                                samples=samples, lora_slot=seq.req.lora_slot))
+            owners.append((seq, g))
         for seq, n in chunks:
             start = seq.num_computed
             ends_prompt = start + n >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None
@@ -226,19 +276,19 @@ class Scheduler:
             rows.append(StepRow(tokens=seq.tokens[start:start + n], start=start, pages=seq.pages,
                                 samples=[SampleRow(s.slot, self._sampling_row(s)) for s in group],
                                 lora_slot=seq.req.lora_slot))
-            owners += group
+            owners += [(s, []) for s in group]
         greedy = all(smp.sampling.temperature <= 0 for r in rows for smp in r.samples)
         try:
             res = self.runner.step(rows, greedy, self._masks(owners))
         except Exception as e:
             self._step_failed(decoding + [seq for seq, _ in chunks], e)
             return
-        self._record(decode=len(decoding))
-        j = 0
+        j = emitted = 0
         for seq in decoding:
-            seq.num_computed = seq.total_len
-            self._on_token(seq, int(res.tokens[j]), float(res.logprobs[j]), res.top_values[j], res.top_ids[j])
-            j += 1
+            emitted += self._after_decode(seq, res, j)
+            j += 1 + len(seq.drafts)
+            seq.drafts = []
+        self._record(decode=emitted)
         h: Optional[np.ndarray] = None
         for i, (seq, n) in enumerate(chunks):
             k = len(rows[len(decoding) + i].samples)
@@ -256,15 +306,45 @@ class Scheduler:
                 self._step_failed([seq], e)
             j += k
 
-    def _masks(self, owners: list[Sequence]) -> Optional[np.ndarray]:
-        """The grammar bitmask of every sample row (owners: each row's sequence), or None when no
-        row is constrained. The next token of a row depends on the token this step draws, so the
-        masks are computed between steps, all rows at once on llguidance's threads."""
-        rows = [(s.grammar, j) for j, s in enumerate(owners) if s.grammar is not None]
-        if not rows:
+    def _after_decode(self, seq: Sequence, res: StepResult, j: int) -> int:
+        """Emit what a decode row produced (sample rows j.. of res): its token, or with guesses the
+        accepted ones and the token after them; the pages past its new length go back to the pool
+        (a rejected guess's KV is simply never read: attention stops at the sequence's length).
+        Returns the number of tokens emitted."""
+        g = seq.drafts
+        acc = 0
+        if g:
+            assert res.accepted is not None
+            while acc < len(g) and res.accepted[j + acc]:
+                acc += 1
+            assert self.drafter is not None and seq.spec is not None
+            self.drafter.record(seq.spec, len(g), acc)
+        out = self._on_tokens(seq, res, j, acc + 1)
+        if seq.state is not SeqState.RUNNING:
+            return out
+        keep = (seq.total_len - 1) // self.page_size + 1
+        if len(seq.pages) > keep:
+            self.pool.release(seq.pages[keep:])
+            del seq.pages[keep:]
+        return out
+
+    def _masks(self, owners: list[tuple[Sequence, list[int]]]) -> Optional[np.ndarray]:
+        """The grammar bitmask of every sample row (owners: each group's sequence and the guesses it
+        verifies, one sample row per guess plus one), or None when no row is constrained. The next
+        token of a row depends on the token this step draws, so the masks are computed between
+        steps, all rows at once on llguidance's threads (a speculating row's positions in turn)."""
+        rows, ahead, j = [], [], 0
+        for s, g in owners:
+            if s.grammar is not None:
+                (ahead if g else rows).append((s.grammar, j, g))
+            j += 1 + len(g)
+        if not rows and not ahead:
             return None
-        out = np.full((len(owners), rows[0][0].words), -1, np.int32)
-        fill_masks(rows, out)
+        out = np.full((j, (rows or ahead)[0][0].words), -1, np.int32)
+        if rows:
+            fill_masks([(st, i) for st, i, _ in rows], out)
+        for st, i, g in ahead:
+            st.fill_ahead(g, out, i)
         return out
 
     def _after_chunk(self, seq: Sequence, n: int, res: StepResult, j: int, h: Optional[np.ndarray]) -> None:
@@ -303,7 +383,7 @@ class Scheduler:
             self.running.append(s)
         seq.followers = []
         for i, s in enumerate(group):
-            self._on_token(s, int(res.tokens[j + i]), float(res.logprobs[j + i]), res.top_values[j + i], res.top_ids[j + i])
+            self._on_tokens(s, res, j + i, 1)
 
     def _fork(self, leader: Sequence, s: Sequence) -> None:
         """n > 1: share the leader's full prompt pages; copy the partial last page."""
@@ -354,7 +434,7 @@ class Scheduler:
             seq.prompt_lps = []             # a prompt preempted mid-prefill collects them again
         for s in [seq] + seq.followers:
             self.pool.release(s.pages)
-            s.pages, s.page_hashes, s.num_computed = [], [], 0
+            s.pages, s.page_hashes, s.num_computed, s.drafts = [], [], 0, []
             self.free_slots.append(s.slot)
             s.slot = -1
             s.state = SeqState.WAITING
@@ -363,9 +443,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     # ------------------------------------------------------------------ tokens and outputs
-    def _sampling_row(self, s: Sequence) -> SamplingRow:
+    def _sampling_row(self, s: Sequence, ahead: int = 0) -> SamplingRow:
+        """The sampling settings of s's next token, or (speculation) of the token `ahead` guesses later."""
         p = s.req.params
-        n_out = len(s.output_ids)
+        n_out = len(s.output_ids) + ahead
         ban = []
         if n_out < p.min_new_tokens:
             ban = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
@@ -374,41 +455,54 @@ class Scheduler:
                            pres_pen=p.presence_penalty, seeds=s.seed, steps=n_out,
                            bias=list(p.logit_bias.items()), ban=ban)
 
-    def _on_token(self, seq: Sequence, tok: int, lp: float, top_v, top_i) -> None:
+    def _on_tokens(self, seq: Sequence, res: StepResult, j: int, n: int) -> int:
+        """Append sample rows j .. j + n - 1 of `res` to seq (n > 1: a row's accepted guesses and
+        the token after them) up to the first that finishes it, and hand the consumer ONE output
+        with them (an output per token cost ~50 us each on the host). Returns how many were taken."""
         req, p = seq.req, seq.req.params
-        seq.output_ids.append(tok)
-        self.total_generated_tokens += 1
-        finish, matched = None, None
-        stop_str = seq.detok.add(tok) if seq.detok is not None else None
-        n_out = len(seq.output_ids)
-        if tok in p.stop_token_ids and n_out > p.min_new_tokens - 1:
-            finish, matched = "stop", tok
-        elif tok in self.eos_ids and not p.ignore_eos:
-            finish, matched = "stop", tok
-        elif stop_str is not None:
-            finish, matched = "stop", stop_str
-        elif n_out >= req.max_new_tokens or seq.total_len >= self.max_model_len:
-            finish = "length"
-        error = None
-        if seq.grammar is not None:
-            if not seq.grammar.consume(tok):
-                # only a min_new_tokens ban on the one token the grammar allows can get here
-                finish, matched = "error", None
-                error = f"constraint: token {tok} is outside the grammar ({seq.grammar.error()})"
-            elif finish is None and seq.grammar.stopped():
-                finish = "stop"             # the grammar is complete: nothing more may follow
-        logprobs = None
-        if p.logprobs or p.top_logprobs:
-            top = [(int(top_i[j]), float(top_v[j])) for j in range(p.top_logprobs)]
-            logprobs = [TokenLogprob(tok, lp, top)]
-        out = self._output(seq, [tok], logprobs, finish is not None)
+        toks: list[int] = []
+        lps: list[TokenLogprob] = []
+        finish: Optional[str] = None
+        matched = error = None
+        want_lp = p.logprobs or p.top_logprobs
+        for i in range(j, j + n):
+            tok = int(res.tokens[i])
+            seq.num_computed = seq.total_len    # the KV of every token before this one (guesses included)
+            seq.output_ids.append(tok)
+            self.total_generated_tokens += 1
+            toks.append(tok)
+            stop_str = seq.detok.add(tok) if seq.detok is not None else None
+            n_out = len(seq.output_ids)
+            if tok in p.stop_token_ids and n_out > p.min_new_tokens - 1:
+                finish, matched = "stop", tok
+            elif tok in self.eos_ids and not p.ignore_eos:
+                finish, matched = "stop", tok
+            elif stop_str is not None:
+                finish, matched = "stop", stop_str
+            elif n_out >= req.max_new_tokens or seq.total_len >= self.max_model_len:
+                finish = "length"
+            if seq.grammar is not None:
+                if not seq.grammar.consume(tok):
+                    # only a min_new_tokens ban on the one token the grammar allows can get here
+                    finish, matched = "error", None
+                    error = f"constraint: token {tok} is outside the grammar ({seq.grammar.error()})"
+                elif finish is None and seq.grammar.stopped():
+                    finish = "stop"             # the grammar is complete: nothing more may follow
+            if want_lp:
+                top_v, top_i = res.top_values[i], res.top_ids[i]
+                top = [(int(top_i[m]), float(top_v[m])) for m in range(p.top_logprobs)]
+                lps.append(TokenLogprob(tok, float(res.logprobs[i]), top))
+            if finish is not None:
+                break
+        out = self._output(seq, toks, lps if want_lp else None, finish is not None)
         out.finish_reason, out.matched_stop = finish, matched
         if error is not None:
             out.error, out.error_kind = error, "internal"
         if finish is not None:
-            self._retire(seq)
+            self._retire(seq, learn=error is None)
             self._maybe_forget(req)     # before the consumer sees the end: its adapter is released by then
         self._emit(req, out)
+        return len(toks)
 
     def _output(self, seq: Sequence, toks: list[int], logprobs, final: bool) -> GenerateOutput:
         out = GenerateOutput(
@@ -447,8 +541,12 @@ class Scheduler:
             self.pool.register(seq.pages[i], hashes[i])
         seq.page_hashes = hashes
 
-    def _retire(self, seq: Sequence) -> None:
-        """Return a finished sequence's pages (full ones stay in the prefix cache) and slot."""
+    def _retire(self, seq: Sequence, learn: bool = False) -> None:
+        """Return a finished sequence's pages (full ones stay in the prefix cache) and slot; its
+        proposer learns the output (`learn`: it ended normally) or forgets it."""
+        if seq.spec is not None and self.drafter is not None:
+            self.drafter.finish(seq.spec, seq.tokens if learn else None)
+            seq.spec = None
         if seq.state is SeqState.RUNNING:
             self.running.remove(seq)
         elif seq.state is SeqState.PREFILL and seq in self.prefilling:
@@ -480,7 +578,7 @@ class Scheduler:
             if error is not None:
                 out.error, out.error_kind = error, "internal"
             outs.append(out)
-        self._maybe_forget(req)         # before the consumer sees the end (as _on_token)
+        self._maybe_forget(req)         # before the consumer sees the end (as _on_tokens)
         for out in outs:
             self._emit(req, out)
 

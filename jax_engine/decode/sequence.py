@@ -10,6 +10,7 @@ import numpy as np
 
 from jax_engine.constrain.state import GrammarState
 from jax_engine.decode.detokenizer import IncrementalDetokenizer
+from jax_engine.decode.speculate import SpecTrack
 from jax_engine.types import GenerateOutput, SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
@@ -65,6 +66,8 @@ class Sequence:
     prompt_lps: list[Optional[TokenLogprob]] = field(default_factory=list)
     preemptions: int = 0
     grammar: Optional[GrammarState] = None   # structured generation: the next token's allowed set
+    spec: Optional[SpecTrack] = None         # speculative decoding: its proposer and acceptance
+    drafts: list[int] = field(default_factory=list)   # the guesses this step verifies
 
     @property
     def tokens(self) -> list[int]:

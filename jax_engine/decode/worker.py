@@ -30,6 +30,7 @@ from jax_engine.decode.page_pool import PagePool
 from jax_engine.decode.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
 from jax_engine.decode.scheduler import Scheduler
 from jax_engine.decode.sequence import Request, Sequence
+from jax_engine.decode.speculate import Drafter
 from jax_engine.errors import AlreadyExists, Internal, InvalidRequest, NotFound, Overloaded
 from jax_engine.executor import backend
 from jax_engine.executor.multihost import StepChannel
@@ -39,6 +40,7 @@ from jax_engine.lora.table import AdapterTable
 from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig
 from jax_engine.models.llama_weights import count_params, load_params
+from jax_engine.spec import METHODS
 from jax_engine.types import (
     AdapterInfo,
     Constraint,
@@ -50,22 +52,30 @@ from jax_engine.types import (
     ModelInfo,
     ModelStats,
     SamplingParams,
+    SpecStats,
 )
 
 log = logging.getLogger("xlaserve.generate")
 
 
-def make_meshes(tp: int, replicas: int) -> list[Optional[Mesh]]:
-    """One ('data', 'model') mesh row per replica; None = single device, no sharding."""
+def make_meshes(tp: int, replicas: int, ep: int = 1) -> list[Optional[Mesh]]:
+    """One ('data', 'model') mesh row per replica; None = single device, no sharding. With expert
+    parallelism (ep > 1, mixture-of-experts models) each replica's mesh is ('data', 'expert', 'model')
+    of 1 x ep x tp devices: experts sharded over 'expert', attention and each expert's intermediate
+    dim over 'model' (jax_engine/checkpoint/layout.py), attention replicated over 'expert'."""
     devs = jax.devices()
-    if jax.process_count() > 1 and (replicas != 1 or tp != len(devs)):
+    per = tp * ep
+    if jax.process_count() > 1 and (replicas != 1 or per != len(devs)):
         raise InvalidRequest(f"with {jax.process_count()} processes a decoder runs as one TP mesh over all "
-                             f"{len(devs)} devices: use --tp {len(devs)} --replicas 1 (got tp {tp}, replicas {replicas}); "
-                             "for more replicas run more servers behind a router")
-    if tp * replicas > len(devs):
-        raise InvalidRequest(f"tp {tp} x replicas {replicas} needs {tp * replicas} devices, have {len(devs)}")
-    if tp == 1 and replicas == 1:
+                             f"{len(devs)} devices: use --tp {len(devs)} --replicas 1 (got tp {tp}, ep {ep}, "
+                             f"replicas {replicas}); for more replicas run more servers behind a router")
+    if per * replicas > len(devs):
+        raise InvalidRequest(f"tp {tp} x ep {ep} x replicas {replicas} needs {per * replicas} devices, have {len(devs)}")
+    if per == 1 and replicas == 1:
         return [None]
+    if ep > 1:
+        grid = np.array(devs[: per * replicas]).reshape(replicas, ep, tp)
+        return [Mesh(grid[r:r + 1], ("data", "expert", "model")) for r in range(replicas)]
     grid = np.array(devs[: tp * replicas]).reshape(replicas, tp)
     return [Mesh(grid[r:r + 1], ("data", "model")) for r in range(replicas)]
 
@@ -82,9 +92,14 @@ class GenerateWorker:
         hf = read_config(spec.path)
         cfg = LlamaConfig.from_hf(hf)
         tp, replicas = spec.tp, spec.replicas
-        if cfg.num_experts and tp > 1:
-            raise InvalidRequest(f"{cfg.architecture}: mixture-of-experts models run with --tp 1 for now "
-                                 f"(expert and tensor parallelism for experts are not built yet), got tp {tp}")
+        ep = spec.ep
+        if ep > 1 and not cfg.num_experts:
+            raise InvalidRequest(f"--ep {ep}: expert parallelism needs a mixture-of-experts model; {cfg.architecture} "
+                                 "has no experts (use --ep 1, and --tp to shard it)")
+        if cfg.num_experts and cfg.num_experts % ep:
+            raise InvalidRequest(f"--ep {ep} does not divide the {cfg.num_experts} experts of {cfg.architecture}")
+        if cfg.num_experts and cfg.intermediate_size % tp:
+            raise InvalidRequest(f"tp {tp} does not divide the experts' intermediate size {cfg.intermediate_size}")
         if cfg.num_heads % tp:
             raise InvalidRequest(f"tp {tp} does not divide {cfg.num_heads} attention heads")
         kv_repeat = 1
@@ -100,7 +115,7 @@ class GenerateWorker:
         self.max_model_len = min(spec.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = spec.page_size
         self.cfg = dataclasses.replace(self.cfg, attention_backend=attention.resolve(
-            args.attention_backend, self.cfg, self.page_size, self.dtype, tp))   # jax_engine/attention
+            args.attention_backend, self.cfg, self.page_size, self.dtype, tp * ep))   # jax_engine/attention
         self.cfg = cpu_matmul.configure(                                        # jax_engine/kernels/choose.py
             args.cpu_matmul, self.cfg, backend.platform(), self.dtype, quant, tp,
             decode_rows=spec.max_running_requests, prefill_tokens=spec.max_num_batched_tokens)
@@ -110,7 +125,7 @@ class GenerateWorker:
         self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_ids, args.grammar_cache_size,
                                         args.max_grammar_bytes, max_queued=args.max_waiting_requests)
-        self.meshes = make_meshes(tp, replicas)
+        self.meshes = make_meshes(tp, replicas, ep)
         lora_on = args.enable_lora or bool(args.loras)
         if lora_on:
             if channel is not None:
@@ -119,6 +134,7 @@ class GenerateWorker:
                 raise InvalidRequest(f"--max-loras and --max-lora-rank must be >= 1 with LoRA enabled "
                                      f"(got {args.max_loras}, {args.max_lora_rank})")
         self.lora_table: Optional[AdapterTable] = AdapterTable(args.max_loras) if lora_on else None
+        spec_k = _spec_tokens(args)
         self.replicas: list[Scheduler] = []
         self.local_runners: dict[str, ModelRunner] = {}   # by "<model>/<replica>", never wrapped
         for r, mesh in enumerate(self.meshes):
@@ -130,7 +146,8 @@ class GenerateWorker:
                               max_batched_tokens=max_tokens, max_model_len=self.max_model_len,
                               max_n=args.max_n, top_n=max(1, args.max_top_logprobs),
                               page_bucket_ratio=max(2, args.page_bucket_ratio),
-                              lora_slots=args.max_loras if lora_on else 0, lora_rank=args.max_lora_rank)
+                              lora_slots=args.max_loras if lora_on else 0, lora_rank=args.max_lora_rank,
+                              spec_tokens=spec_k)
             rc.num_pages = spec.num_pages or self._auto_pages(rc)
             runner = ModelRunner(self.cfg, params, rc, mesh, self.dtype)
             self.local_runners[f"{spec.name}/{r}"] = runner
@@ -138,7 +155,9 @@ class GenerateWorker:
                 runner.mirror = (channel, f"{spec.name}/{r}")     # publish each device call to the followers
             pool = PagePool(rc.num_pages, self.page_size, enable_prefix_cache=spec.enable_prefix_cache,
                             ttl_s=spec.prefix_cache_ttl_s)
-            self.replicas.append(Scheduler(runner, pool, self.eos_ids, self.max_model_len, f"{spec.name}/{r}"))
+            drafter = Drafter(args.speculative, spec_k) if spec_k else None
+            self.replicas.append(Scheduler(runner, pool, self.eos_ids, self.max_model_len, f"{spec.name}/{r}",
+                                           drafter))
         tok = self.tokenizer
         self.info = ModelInfo(
             name=spec.name, path=os.path.abspath(spec.path), tokenizer_path=os.path.abspath(spec.path), task="generate",
@@ -440,6 +459,15 @@ class GenerateWorker:
         tot = ModelStats(name=self.spec.name, page_size=self.page_size, replicas=per,
                          max_num_batched_tokens=self.replicas[0].budget, matmul_routes=self._matmul_routes(),
                          grammar_queue=self.grammars.queued)
+        if self.replicas[0].drafter is not None:
+            each = [s.drafter.stats() for s in self.replicas if s.drafter is not None]
+            for x, st in zip(per, each):
+                x.spec = st
+            tot.spec = SpecStats(method=each[0].method, num_speculative_tokens=each[0].num_speculative_tokens,
+                                 proposed_tokens=sum(e.proposed_tokens for e in each),
+                                 accepted_tokens=sum(e.accepted_tokens for e in each),
+                                 verify_rows=sum(e.verify_rows for e in each),
+                                 accepted_histogram=[sum(h) for h in zip(*(e.accepted_histogram for e in each))])
         if self.lora_table is not None:   # every replica holds every adapter: the same slots
             for x in per + [tot]:
                 x.lora_slots_used, x.lora_slots_total = self.lora_table.used(), self.lora_table.slots
@@ -456,6 +484,21 @@ class GenerateWorker:
         if plan is None:   # forced (or not on CPU): one path for every matrix
             return [MatmulRoute("all", "all", self.cfg.matmul)]
         return [MatmulRoute(r["weight"], r["shape_class"], r["path"]) for r in plan.summary()]
+
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def _spec_tokens(args: EngineArgs) -> int:
+    """Most guesses per row (0: speculation off), validated."""
+    if args.speculative not in METHODS:
+        raise InvalidRequest(f"--speculative must be one of {', '.join(METHODS)}, got {args.speculative!r}")
+    if args.speculative == "off":
+        return 0
+    k = args.num_speculative_tokens
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidRequest(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+    return k
 
 
 def _finite(v: float, name: str, lo: float, hi: float) -> None:

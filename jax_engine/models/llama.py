@@ -57,6 +57,9 @@ class LlamaConfig:
     # LongRoPE (Phi-3): positions >= rope_long_from use these frequencies instead (() = none)
     inv_freq_long: tuple = field(default=(), repr=False)
     rope_long_from: int = 0
+    # dynamic NTK (rope_type "dynamic"): (factor, original context, theta); a token at position
+    # p >= the original context rotates with the base of a (p + 1)-token sequence (() = none)
+    rope_dynamic: tuple = ()
     # Gemma 2 / 3
     act: str = "silu"                     # MLP gate activation: silu | gelu_tanh (GeGLU)
     embed_scale: float = 1.0              # embeddings multiplied by this (Gemma: sqrt(hidden))
@@ -117,6 +120,9 @@ class LlamaConfig:
         local_inv: tuple = ()
         rp = cfg.get("rope_parameters") or {}
         if "full_attention" in rp:           # Gemma 3: RoPE per layer type
+            for t, p in rp.items():
+                if isinstance(p, dict) and p.get("rope_type", p.get("type")) in ("dynamic", "longrope", "su"):
+                    raise InvalidRequest(f"{p.get('rope_type', p.get('type'))} RoPE per layer type ({t}) is not supported")
             inv_freq, factor = _rope_inv_freq({**cfg, "rope_parameters": rp["full_attention"], "rope_scaling": None}, hd)
             local, local_factor = _rope_inv_freq({**cfg, "rope_parameters": rp.get("sliding_attention", rp["full_attention"]),
                                                    "rope_scaling": None}, hd)
@@ -129,6 +135,10 @@ class LlamaConfig:
                 local, _ = _rope_inv_freq({"rope_theta": cfg["rope_local_base_freq"]}, hd)
                 local_inv = tuple(float(x) for x in local)
         long_inv, long_from = _longrope_long(cfg, hd)
+        dynamic = _rope_dynamic(cfg) if "full_attention" not in rp else ()
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        if dynamic:     # served context: the original times the factor, as vLLM derives it
+            max_pos = max(max_pos, int(dynamic[0] * dynamic[1]))
         qps = cfg.get("query_pre_attn_scalar") if gemma else None
         experts, inter = 0, cfg.get("intermediate_size")
         if mt in ("mixtral", "qwen3_moe"):
@@ -145,9 +155,9 @@ class LlamaConfig:
             architecture=arch, model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=h,
             intermediate_size=inter, num_layers=cfg["num_hidden_layers"],
             num_heads=nh, num_kv_heads=kvh, head_dim=hd, rms_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_pos,
             inv_freq=tuple(float(x) for x in inv_freq), rope_attention_factor=factor,
-            inv_freq_long=tuple(float(x) for x in long_inv), rope_long_from=long_from,
+            inv_freq_long=tuple(float(x) for x in long_inv), rope_long_from=long_from, rope_dynamic=dynamic,
             sliding_window=window, qkv_bias=bool(mt == "qwen2" or cfg.get("attention_bias", False)),
             num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
             normalize_top_k=bool(cfg.get("norm_topk_prob", True)) if mt == "qwen3_moe" else True,
@@ -185,7 +195,9 @@ def _rope_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
         return _yarn(params, cfg, head_dim, theta, inv)
     if rtype in ("longrope", "su"):
         return _longrope(params, cfg, head_dim, theta, "short_factor")
-    raise InvalidRequest(f"rope type {rtype!r} is not supported (default, linear, llama3, yarn, longrope)")
+    if rtype == "dynamic":      # plain within the original context; beyond it per position (_rope_dynamic)
+        return inv, 1.0
+    raise InvalidRequest(f"rope type {rtype!r} is not supported (default, linear, llama3, yarn, longrope, dynamic)")
 
 
 def _rope_params(cfg: dict) -> dict:
@@ -223,6 +235,49 @@ def _longrope_long(cfg: dict, head_dim: int) -> tuple[np.ndarray, int]:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     inv, _ = _longrope(params, cfg, head_dim, theta, "long_factor")
     return inv, int(params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+
+
+def _rope_dynamic(cfg: dict) -> tuple:
+    """(factor, original context, theta) of a dynamic-NTK config (rope_type "dynamic"), else ().
+
+    transformers recomputes the base whenever the sequence outgrows the original context
+    (max_position_embeddings): for an n-token sequence, base' = base * (factor * n / orig -
+    (factor - 1)) ** (D / (D - 2)), plain RoPE while n <= orig. In a cached generate the keys keep
+    the rotation they were written with, so token p (generated one at a time) rotates with the base
+    of n = p + 1. That per-position rule is ours for every token (`token_inv_freq`): exact against
+    transformers for a prompt within the original context and everything generated after it, also
+    beyond that context, and the same for any chunking or prefix reuse. The one difference: a
+    prompt longer than the original context is rotated there entirely with the base of its own
+    length (so earlier tokens change with the prompt's length), here per position. vLLM instead
+    uses one base for every position, that of n = orig * factor, so it differs from transformers
+    at every length, also within the original context. The served context is orig * factor (vLLM's)."""
+    params = _rope_params(cfg)
+    if (params.get("rope_type", params.get("type")) or "default") != "dynamic":
+        return ()
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or factor < 1.0:
+        raise InvalidRequest(f"dynamic RoPE needs a factor >= 1, got {factor!r}")
+    if params.get("alpha") is not None:
+        raise InvalidRequest("dynamic RoPE with an NTK alpha is not supported")
+    orig = int(cfg.get("max_position_embeddings", 4096))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return (float(factor), orig, theta)
+
+
+def token_inv_freq(cfg: "LlamaConfig", positions: jax.Array) -> jax.Array:
+    """RoPE inverse frequencies of tokens at `positions` [1, T]: [D/2] when they do not depend on
+    the position, else [1, T, D/2] (LongRoPE past the original context, dynamic NTK)."""
+    inv_freq = jnp.asarray(np.array(cfg.inv_freq, dtype=np.float32))
+    if cfg.inv_freq_long:        # LongRoPE: per token, long frequencies from the original context on
+        long = jnp.asarray(np.array(cfg.inv_freq_long, dtype=np.float32))
+        inv_freq = jnp.where(positions[..., None] >= cfg.rope_long_from, long, inv_freq)
+    if cfg.rope_dynamic:         # dynamic NTK: the base of a (p + 1)-token sequence, in float32 as transformers
+        factor, orig, theta = cfg.rope_dynamic
+        d = cfg.head_dim
+        n = jnp.maximum(positions + 1, orig).astype(jnp.float32)[..., None]            # [1, T, 1]
+        base = theta * (factor * n / orig - (factor - 1)) ** (d / (d - 2))
+        inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))         # [1, T, D/2]
+    return inv_freq
 
 
 def _yarn(params: dict, cfg: dict, dim: int, theta: float, inv: np.ndarray) -> tuple[np.ndarray, float]:
@@ -329,11 +384,8 @@ def forward(
     x = params["embed"][inp.tokens][None]                             # [1, T, H]
     if cfg.embed_scale != 1.0:            # Gemma: the scale is rounded to the embedding's dtype first
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
-    inv_freq = jnp.asarray(np.array(cfg.inv_freq, dtype=np.float32))
     q_pos = inp.positions[None]
-    if cfg.inv_freq_long:        # LongRoPE: per token, long frequencies from the original context on
-        long = jnp.asarray(np.array(cfg.inv_freq_long, dtype=np.float32))
-        inv_freq = jnp.where(q_pos[..., None] >= cfg.rope_long_from, long, inv_freq)   # [1, T, D/2]
+    inv_freq = token_inv_freq(cfg, q_pos)                            # [D/2] or per token [1, T, D/2]
     windowed = jnp.asarray(np.array(cfg.layer_windows or [0] * cfg.num_layers) > 0)      # [L]
     local_freq = jnp.asarray(np.array(cfg.inv_freq_local, dtype=np.float32)) if cfg.inv_freq_local else None
     q_scale = cfg.attn_scale * math.sqrt(cfg.head_dim) if cfg.attn_scale else 1.0   # backends scale by 1/sqrt(D)
@@ -348,6 +400,8 @@ def forward(
     big = {k: layers[panels_key(cfg, k)] for k in PACKED if matmul_path(cfg, k, M) == "kernel"}
     lib = {k: layers[k] for k in PACKED if matmul_path(cfg, k, M) == "blas"}   # the library sgemm, also whole
     skip = set(big) | set(lib) | {f"{k}_panels" for k in PACKED}    # ... and a second layout the scan must not slice
+    if cfg.num_experts:      # MoE experts whole too: models/moe.py slices out each block's expert by layer index
+        skip |= {"experts_gate_up", "experts_down"}
     xs = {k: v for k, v in layers.items() if k not in skip}
     kvh_r = cfg.num_kv_heads * cfg.kv_repeat
     if lora is not None:
@@ -392,8 +446,8 @@ def forward(
         x = x + (rms_norm(o, lp["post_attn_norm"], cfg.rms_eps) if cfg.sandwich_norms else o)
         h = rms_norm(x, lp["ln2"], cfg.rms_eps)
         if cfg.num_experts:
-            d = moe.moe_mlp(h[0], lp["router"], lp["experts_gate_up"], lp["experts_down"], cfg.experts_per_token,
-                            cfg.normalize_top_k, act_fn)[None]
+            d = moe.moe_mlp(h[0], lp["router"], layers["experts_gate_up"], layers["experts_down"], cfg.experts_per_token,
+                            cfg.normalize_top_k, act_fn, layer=li)[None]
             return (x + d, kc, vc, li + 1), None
         gu = mm("gate_up", lp, li, h, (2, cfg.intermediate_size))
         gu = plus_lora(lp, gu, lambda lb: lora_terms.gate_up_delta(h[0], lb, lora_mask))

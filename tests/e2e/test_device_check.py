@@ -50,6 +50,12 @@ def test_parity_fields(dry_run):
     for r in (f32, bf16):
         assert r["prompt_logprobs_max_abs_err"] is not None and r["greedy"]["of"] == 4 and r["greedy"]["ok"]
     assert f32["greedy"]["exact"] == 4
+    # the new families (Gemma 2: soft-caps and windows; Qwen3-MoE: experts) on the same checks
+    fams = doc["families"]
+    assert set(fams) == {"gemma2", "qwen3_moe"}
+    for fam, r in fams.items():
+        assert r["ok"] and r["model"] == fam, fam
+        assert r["float32"]["logits_max_abs_err"] <= 1e-4 and r["bfloat16"]["logits_max_abs_err"] <= r["bfloat16"]["tol"]
 
 
 def test_bench_fields(dry_run):

@@ -17,8 +17,8 @@ from tests.helpers.engines import PROMPTS, engine_logits, greedy_all, small_args
 
 # on CPU the defaults run the C++ matmul and decode-attention kernels; "+xla" is the same model on
 # XLA's dot and the pure-JAX attention (the path of bfloat16, int8 and tensor parallelism)
-FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "llama_tied", "qwen2_yarn", "phi3", "gemma2", "gemma3",
-            "mixtral", "qwen3_moe", "llama3+xla", "mistral+xla"]
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "llama_tied", "qwen2_yarn", "llama_dynamic", "phi3", "gemma2",
+            "gemma3", "mixtral", "qwen3_moe", "llama3+xla", "mistral+xla"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -73,13 +73,95 @@ def test_decoder_as_embedder_last_token_pooling(family):
 
 
 def test_moe_refuses_what_it_cannot_run(tmp_path):
-    """Mixture-of-experts models: experts are not tensor-parallel yet and never on the CPU matmul kernel."""
+    """Mixture-of-experts models: --ep must divide the experts; experts never run on the CPU matmul kernel."""
     from jax_engine.errors import InvalidRequest
 
     path = str(tmp_path / "mixtral")
     hf_models.build("mixtral", path)
-    for kw, needle in ((dict(tp=2), "--tp 1"), (dict(cpu_matmul="kernel"), "mixture-of-experts")):
+    for kw, needle in ((dict(ep=3), "--ep 3 does not divide the 8 experts"), (dict(cpu_matmul="kernel"), "mixture-of-experts")):
         engine = Engine(small_args(models=[ModelSpec(name="m", path=path)], **kw))
         with pytest.raises(InvalidRequest, match=needle):
             engine.load_all(progress=False, warmup=False)
         engine.shutdown()
+
+
+def _hf_one_at_a_time(model, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]:
+    """transformers fed one token per forward through its cache: (prompt logits, n greedy tokens).
+    Dynamic NTK then rotates token p with the base of a (p + 1)-token sequence, as its generate
+    does for every generated token."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+
+    def step(token: int, pos: int) -> np.ndarray:
+        with torch.no_grad():
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True, position_ids=torch.tensor([[pos]]))
+        return out.logits[0, -1].float().numpy()
+
+    logits = [step(t, p) for p, t in enumerate(prompt)]
+    toks = [int(np.argmax(logits[-1]))]
+    for p in range(len(prompt), len(prompt) + n - 1):
+        toks.append(int(np.argmax(step(toks[-1], p))))
+    return np.stack(logits), toks
+
+
+def test_dynamic_rope_beyond_the_original_context(tmp_path):
+    """Dynamic NTK past the original 64-token context, for a 90-token prompt (the documented rule,
+    llama._rope_dynamic): token p rotates with the base of a (p + 1)-token sequence. That is
+    transformers fed one token at a time (its generate after a prompt within the context); its
+    one-shot forward of the whole prompt uses the prompt length's base for every token instead."""
+    import copy
+
+    import torch
+    import transformers as tf
+
+    path = str(tmp_path / "dyn")
+    model = hf_models.build("llama_dynamic", path)
+    prompt = list(range(3, 93))
+    ref, ref_toks = _hf_one_at_a_time(model, prompt, 8)
+    engine = Engine(small_args(models=[ModelSpec(name="m", path=path)], cpu_matmul="xla", attention_backend="reference"))
+    engine.load_all(progress=False, warmup=False)
+    try:
+        ours = engine_logits(engine._workers["m"], prompt)
+        assert float(np.max(np.abs(ours - ref))) <= 1e-4
+        got = asyncio.run(greedy_all(engine, [prompt], 8))[0]     # chunked prefill (64 + 26), then decode
+        assert got == ref_toks
+    finally:
+        engine.shutdown()
+    whole = hf_models.hf_logits(model, prompt)              # every token with the base of 90 tokens
+    assert float(np.max(np.abs(whole - ref))) > 1e-3
+    plain_cfg = copy.deepcopy(model.config)
+    plain_cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    plain = tf.LlamaForCausalLM(plain_cfg).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        plain_logits = plain(torch.tensor([prompt])).logits[0].numpy()
+    assert float(np.max(np.abs(plain_logits[:64] - ref[:64]))) <= 1e-5    # plain RoPE within the context
+    assert float(np.max(np.abs(plain_logits[64:] - ref[64:]))) > 1e-3     # and scaled beyond it
+
+
+def test_dynamic_rope_config_rules():
+    """Dynamic NTK: the served context is the original times the factor (vLLM's), plain RoPE
+    frequencies within it; an NTK alpha, a factor below 1 and dynamic / longrope per layer type
+    (Gemma 3's rope_parameters) are refused."""
+    from jax_engine.errors import InvalidRequest
+    from jax_engine.models.llama import LlamaConfig
+
+    base = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=32,
+                num_attention_heads=2, num_hidden_layers=1, intermediate_size=64, max_position_embeddings=100)
+    plain = LlamaConfig.from_hf(base)
+    dyn = LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.5}})
+    assert dyn.rope_dynamic == (2.5, 100, 10000.0) and dyn.max_position_embeddings == 250
+    assert dyn.inv_freq == plain.inv_freq and plain.rope_dynamic == ()
+    for rope, needle in (({"rope_type": "dynamic", "factor": 2.0, "alpha": 1.0}, "alpha"),
+                         ({"rope_type": "dynamic", "factor": 0.5}, "factor >= 1")):
+        with pytest.raises(InvalidRequest, match=needle):
+            LlamaConfig.from_hf({**base, "rope_scaling": rope})
+    gemma3 = {**base, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 16,
+              "hidden_activation": "gelu_pytorch_tanh", "layer_types": ["full_attention"]}
+    for t in ("dynamic", "longrope"):
+        rp = {"full_attention": {"rope_type": t, "factor": 2.0, "rope_theta": 1e6},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        with pytest.raises(InvalidRequest, match="per layer type"):
+            LlamaConfig.from_hf({**gemma3, "rope_parameters": rp})

@@ -285,6 +285,13 @@ def test_typed_runner_rows_round_trip_as_their_types():
     recv = [s.sampling for r in rows2 for s in r.samples]
     a, b = (sampling.host_arrays(x + [None], 4, NUM_BIAS, NUM_BAN) for x in (sent, recv))
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+    # a speculating row: each verified position's index, guess and earlier guesses
+    spec = StepRow(tokens=[7, 8, 9], start=5, pages=[1],
+                   samples=[SampleRow(0, SamplingRow(steps=4 + j), at=j, draft=[8, 9, -1][j], prior=[8, 9][:j])
+                            for j in range(3)])
+    (got,) = multihost.decode(multihost.encode(("m/0", "step", ([spec], True))))[2][0]
+    assert [(s.at, s.draft, s.prior, s.sampling.steps) for s in got.samples] == \
+        [(0, 8, [], 4), (1, 9, [8], 5), (2, -1, [8, 9], 6)]
 
 
 def test_a_failed_replay_is_contained_like_the_leaders_step():

@@ -32,6 +32,7 @@ from jax_engine.types import (
     GenerateRequest,
     ModelInfo,
     ModelStats,
+    SpecStats,
 )
 
 FAKE_GEN = "fake-gen"
@@ -87,11 +88,13 @@ class FakeEngine:
     """Implements `jax_engine.api.EngineAPI`; every call is recorded in `calls`."""
 
     def __init__(self, model_root: Optional[str] = None, *, enable_lora: bool = False,
-                 loras: Optional[list[tuple[str, str]]] = None, max_loras: int = 8, max_lora_rank: int = 64) -> None:
+                 loras: Optional[list[tuple[str, str]]] = None, max_loras: int = 8, max_lora_rank: int = 64,
+                 speculative: str = "off", num_speculative_tokens: int = 4) -> None:
         self.args = EngineArgs(models=[ModelSpec(name=FAKE_GEN, path=f"/fake/{FAKE_GEN}"),
                                        ModelSpec(name=FAKE_EMBED, path=f"/fake/{FAKE_EMBED}")],
                                model_root=model_root, enable_lora=enable_lora, loras=list(loras or []),
-                               max_loras=max_loras, max_lora_rank=max_lora_rank)
+                               max_loras=max_loras, max_lora_rank=max_lora_rank, speculative=speculative,
+                               num_speculative_tokens=num_speculative_tokens)
         self.counters = FakeCounters()
         self.start_time = time.time()
         self.compile_cache_dir = "/fake/compile-cache"
@@ -147,7 +150,17 @@ class FakeEngine:
         return ModelStats(name=info.name, pages_total=64, pages_used=0, pages_free=64, page_size=16,
                           max_running_requests=self.args.max_running_requests,
                           lora_slots_used=self._slots_used(info.name) if lora else 0,
-                          lora_slots_total=self.args.max_loras if lora else 0)
+                          lora_slots_total=self.args.max_loras if lora else 0, spec=self._spec(info))
+
+    def _spec(self, info: ModelInfo) -> Optional[SpecStats]:
+        """Fixed speculation counters for the generation model when served with --speculative:
+        40 verifications of 100 guesses, 60 accepted (rate 0.6, accept length 2.5)."""
+        if self.args.speculative == "off" or info.task != "generate":
+            return None
+        k = self.args.num_speculative_tokens
+        hist = [10, 10, 10, 10] + [0] * (k - 3)
+        return SpecStats(method=self.args.speculative, num_speculative_tokens=k, proposed_tokens=100,
+                         accepted_tokens=60, verify_rows=40, accepted_histogram=hist)
 
     # ------------------------------------------------------------ LoRA adapters
     def _lora_enabled(self) -> bool:

@@ -27,6 +27,9 @@ def family_config(family: str):
     if family == "qwen2_yarn":   # YaRN factor 4 over an original context shorter than the test prompts
         return tf.Qwen2Config(**TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                                     "rope_theta": 10000.0})
+    if family == "llama_dynamic":   # dynamic NTK factor 4 over a 64-token context: greedy decode crosses it
+        return tf.LlamaConfig(**{**TINY, "max_position_embeddings": 64},
+                              rope_scaling={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
     if family == "phi3":   # LongRoPE beyond a 64-token original context (decode crosses it), a window
         half = TINY["hidden_size"] // TINY["num_attention_heads"] // 2
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
@@ -59,7 +62,7 @@ def build(family: str, path: str, seed: int = 0):
     cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = ids["<|eos|>"], ids["<|bos|>"], ids["<|pad|>"]
     torch.manual_seed(seed)
     cls = {"llama3": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-           "qwen3": tf.Qwen3ForCausalLM, "llama_tied": tf.LlamaForCausalLM,
+           "qwen3": tf.Qwen3ForCausalLM, "llama_tied": tf.LlamaForCausalLM, "llama_dynamic": tf.LlamaForCausalLM,
            "qwen2_yarn": tf.Qwen2ForCausalLM, "phi3": tf.Phi3ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,
            "gemma3": tf.Gemma3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[family]
     model = cls(cfg).eval()

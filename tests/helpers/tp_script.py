@@ -1,5 +1,6 @@
 """Run in a subprocess with 4 forced host devices: TP 1/2/4 and 2 replicas x TP 2 agree, for the
-base model and under a LoRA adapter (sharded LoRA B / A as the base weights, jax_engine/lora/bank.py)."""
+base model and under a LoRA adapter (sharded LoRA B / A as the base weights, jax_engine/lora/bank.py);
+and TP 2 of each newer dense family (DENSE) agrees with TP 1."""
 import asyncio
 import json
 import os
@@ -36,7 +37,28 @@ def main() -> None:
                                        "lora_logits": lora_logits.tolist(), "lora_tokens": lora_toks,
                                        "devices": [str(d) for m in w.meshes if m is not None for d in m.devices.flat]}
         eng.shutdown()
+    results["dense"] = {fam: dense_family(fam) for fam in DENSE}
     json.dump(results, sys.stdout)
+
+
+# Phi-3 (fused qkv / gate_up, LongRoPE crossed by the decode), Gemma 2 / 3 (sandwich norms, per-layer
+# windows shorter than the long prompt, soft-caps, local RoPE), YaRN and dynamic NTK (crossed too)
+DENSE = ["phi3", "gemma2", "gemma3", "qwen2_yarn", "llama_dynamic"]
+
+
+def dense_family(fam: str) -> dict:
+    path = tempfile.mkdtemp()
+    hf_models.build(fam, path)
+    out = {}
+    for tp in (1, 2):
+        eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp)]))
+        eng.load_all(progress=False, warmup=False)
+        w = eng.worker("m")
+        qkv = w.replicas[0].runner.params["layers"]["qkv"]
+        out[str(tp)] = {"logits": engine_logits(w, PROMPTS[3]).tolist(), "tokens": asyncio.run(greedy_all(eng, PROMPTS, 24)),
+                        "qkv_shards": len({s.device for s in qkv.addressable_shards})}
+        eng.shutdown()
+    return out
 
 
 main()

@@ -1,0 +1,365 @@
+"""Speculative decoding (issue 20): decode tok/s with --speculative off, ngram and suffix on the
+trained model, on workloads that repeat themselves, copy, and do neither.
+
+Model: benchmarks/train_tiny.py's byte-level Llama (3.04 M parameters, trained here on the Python
+standard library's source; cached, trained on first use in ~10 minutes). Acceptance on random
+weights would mean nothing. Its training window is 256 tokens, so prompt + answer stay within it.
+
+Engines: three in-process `Engine`s over that folder, alive for the whole run, the server's CPU
+defaults otherwise (token budget 64, prefix cache on, programs compiled ahead of time):
+  off     --speculative off
+  ngram   --speculative ngram  --num-speculative-tokens K (default 4)
+  suffix  --speculative suffix --num-speculative-tokens K
+max_running_requests 8, max_model_len 512.
+
+Workloads (prompts cut from held-out standard-library files at a method definition, so no
+prompt was trained on; every request greedy with EOS ignored unless said, `new_tokens` each):
+  repeat   the same B prompts asked twice (as agent loops re-send a request); the second pass is
+           timed. The suffix engine's cache holds the first pass's answers.
+  copy     the prompt is a code span S followed by a newline and S's first 24 bytes: the answer
+           should copy the rest of S (a model that learned to copy does; say how often it did).
+           New spans every round, so no engine has seen them.
+  fresh    new held-out prompts every round, greedy.
+  sampled  new held-out prompts every round, temperature 0.8, top-p 0.95, seeds fixed per prompt:
+           text with few exact repeats. Output distribution unchanged by speculation (tested in
+           tests/engine/test_speculative.py), so only the speed is compared.
+Batch B = 1 (4 requests per timed pass, one after another) and 8 (24 requests, 8 at a time).
+
+Rounds: the three sides alternate with the first side rotating (common.run_pairs), 3 rounds
+(quick: 1), medians (clean rounds when there are any). tok/s = completion tokens of the timed
+pass / its wall time. Accept rate (accepted / proposed guesses) and accept length (tokens per
+verifying row-step, accepted + 1) are the speculative engine's own counters over the timed pass.
+Greedy answers are compared with the off engine's of the same round (must be identical).
+
+`--model small` (results spec_decode_small.json): the same measurement of the `repeat` workload
+only, sides off and suffix, on generate_vs_hf's random 'small' Llama (124.7 M parameters,
+float32; 64 random prompt tokens, 64 new tokens). Random weights are no obstacle there: a
+repeated greedy request replays its answer exactly, whatever the weights. The point of this row:
+the trained model is so small (12 MB of weights) that even a batch-1 step is compute-bound on a
+CPU, while the 500 MB 'small' model is bandwidth-bound at batch 1 (a 4-token step cost 24 ms at
+warmup against 18 ms for 1 token on the reference machine). At batch 8 both are compute-bound on
+2 cores (the 'small' model: 31 ms for 8 tokens, 89 ms for 32).
+
+Run:  python -m benchmarks.spec_decode [--quick] [--k 4] [--rounds 3] [--batches 1,8] [--model small]
+Writes benchmarks/results/spec_decode.json (+ _quick), spec_decode.png and spec_decode_accept.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import sys
+import time
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common as C
+
+NAME = "spec_decode"
+SIDES = ("off", "ngram", "suffix")
+WORKLOADS = ("repeat", "copy", "fresh", "sampled")
+GOALS = {"repeat": 2.5, "copy": 1.5, "fresh": 0.97, "sampled": 0.97}
+PROMPT_BYTES = 96
+COPY_SPAN, COPY_CUE = 96, 24
+WAVES = 3           # batch B > 1: 3 B requests per timed pass, B at a time
+B1_REQUESTS = 4     # batch 1: requests per timed pass, one after another
+
+
+def held_out_spans(n: int, size: int) -> list[str]:
+    """n code spans of `size` bytes from held-out standard-library files, each starting at a line
+    that opens a method or function definition: files in path order, the first definition of
+    each file first, then each file's second one, and so on."""
+    import re
+
+    from benchmarks import train_tiny as TT
+
+    _, held = TT.stdlib_files(TT.TrainConfig().holdout_mod)
+    per_file = []
+    for _, text in held:
+        starts = [m.start() + 1 for m in re.finditer(r"\n(?:    )?def ", text)]
+        per_file.append([text[i:i + size] for i in starts if len(text) - i > size and text[i:i + size].isascii()])
+    out: list[str] = []
+    for depth in range(max(map(len, per_file), default=0)):
+        out += [spans[depth] for spans in per_file if depth < len(spans)]
+        if len(out) >= n:
+            return out[:n]
+    raise RuntimeError(f"only {len(out)} held-out spans of {size} bytes, need {n}")
+
+
+def copy_prompt(span: str) -> str:
+    return span + "\n" + span[:COPY_CUE]
+
+
+async def _one(engine, prompt: str | list[int], new_tokens: int, sampled: bool, seed: int) -> list[int]:
+    from jax_engine.types import GenerateRequest, SamplingParams
+
+    p = SamplingParams(temperature=0.8, top_p=0.95, seed=seed) if sampled else SamplingParams(temperature=0.0)
+    p.max_new_tokens, p.ignore_eos = new_tokens, True
+    toks: list[int] = []
+    req = (GenerateRequest(request_id="", prompt=prompt, model="m", params=p) if isinstance(prompt, str)
+           else GenerateRequest(request_id="", prompt_ids=prompt, model="m", params=p))
+    async for o in engine.generate(req):
+        toks += o.new_token_ids
+    return toks
+
+
+def _pass(engine, prompts: list, batch: int, new_tokens: int, sampled: bool) -> tuple[list[list[int]], float]:
+    """Answers to `prompts`, `batch` at a time; wall seconds."""
+    async def go():
+        out: list[list[int]] = []
+        for i in range(0, len(prompts), batch):
+            out += await asyncio.gather(*[_one(engine, q, new_tokens, sampled, 1000 + i + j)
+                                          for j, q in enumerate(prompts[i:i + batch])])
+        return out
+    t0 = time.perf_counter()
+    res = asyncio.run(go())
+    return res, time.perf_counter() - t0
+
+
+def _spec_counts(engine) -> tuple[int, int, int]:
+    st = engine.stats("m").spec
+    return (st.proposed_tokens, st.accepted_tokens, st.verify_rows) if st is not None else (0, 0, 0)
+
+
+def run_side(engine, workload: str, prompts: list, batch: int, new_tokens: int) -> dict[str, Any]:
+    sampled = workload == "sampled"
+    if workload == "repeat":
+        _pass(engine, prompts, batch, new_tokens, sampled)          # the first time: untimed
+    p0, a0, v0 = _spec_counts(engine)
+    with C.cpu_window() as w:
+        answers, wall = _pass(engine, prompts, batch, new_tokens, sampled)
+    p1, a1, v1 = _spec_counts(engine)
+    toks = sum(len(a) for a in answers)
+    out = {"tok_s": C.rnd(toks / wall, 1), "tokens": toks, "wall_s": C.rnd(wall, 3),
+           "proposed": p1 - p0, "accepted": a1 - a0, "verify_rows": v1 - v0,
+           "accept_rate": C.rnd((a1 - a0) / (p1 - p0), 3) if p1 > p0 else None,
+           "accept_length": C.rnd(1 + (a1 - a0) / (v1 - v0), 3) if v1 > v0 else None,
+           "digest": hashlib.sha1(repr(answers).encode()).hexdigest()[:16], "cpu": w.result}
+    if workload == "copy":        # how many answers begin with the rest of the span they cue
+        out["copied"] = sum(1 for q, a in zip(prompts, answers) if _copied(engine, q, a))
+    out["headline"] = f"{out['tok_s']} tok/s, accept {out['accept_rate']}, length {out['accept_length']}"
+    return out
+
+
+def _copied(engine, prompt: str, answer: list[int]) -> bool:
+    span = prompt[:COPY_SPAN]
+    rest = span[COPY_CUE:COPY_CUE + 32]
+    return engine.tokenizer("m").decode(answer).startswith(rest)
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    def med(side: str, key: str) -> float | None:
+        rs = [r for r in runs[side] if r.get("clean")] or runs[side]
+        xs = [r[key] for r in rs if r.get(key) is not None]
+        return C.rnd(C.median(xs), 3) if xs else None
+
+    s: dict[str, Any] = {"tok_s": {k: med(k, "tok_s") for k in runs},
+                         "accept_rate": {k: med(k, "accept_rate") for k in runs if k != "off"},
+                         "accept_length": {k: med(k, "accept_length") for k in runs if k != "off"}}
+    s["speedup"] = {k: C.ratio(s["tok_s"][k], s["tok_s"]["off"]) for k in runs if k != "off"}
+    s["paired_speedups"] = {k: [C.ratio(a["tok_s"], b["tok_s"]) for a, b in zip(runs[k], runs["off"])]
+                            for k in runs if k != "off"}
+    s["identical_to_off"] = {k: all(a["digest"] == b["digest"] for a, b in zip(runs[k], runs["off"]))
+                             for k in runs if k != "off"}
+    s["rounds"] = len(runs["off"])
+    s["clean_rounds"] = sum(1 for r in runs["off"] if r.get("clean"))
+    if "copied" in runs["off"][0]:
+        s["copied"] = {k: [r["copied"] for r in runs[k]] for k in runs}
+    return s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens of the speculating engines")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 3; quick 1)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=None, help="answer length (default 128; quick 48)")
+    ap.add_argument("--model", choices=["trained", "small"], default="trained",
+                    help="small: the repeat workload on the random 'small' Llama (off and suffix only)")
+    C.add_round_args(ap)
+    a = ap.parse_args(argv)
+    rounds = a.rounds or (1 if a.quick else 3)
+    small = a.model == "small"
+    new_tokens = a.new_tokens or (48 if a.quick else (64 if small else 128))
+    batches = [int(b) for b in a.batches.split(",")]
+    name = NAME + ("_small" if small else "")
+    doc = C.header(name, a.quick, argv if argv is not None else sys.argv[1:])
+    C.engine_process()
+    from benchmarks import train_tiny as TT
+    from jax_engine.config import ModelSpec
+
+    sides = ("off", "suffix") if small else SIDES
+    workloads = ("repeat",) if small else WORKLOADS
+    if small:
+        from benchmarks import generate_vs_hf as GH
+
+        path, meta = GH.ensure_model("tiny" if a.quick else "small"), {}
+    else:
+        path, meta = TT.ensure_model()
+    doc["model"] = {"name": ("tiny" if a.quick else "small") if small else "trained",
+                    "path": path, "params": (meta.get("report") or {}).get("parameters"),
+                    "heldout_loss_nats_per_byte": (meta.get("report") or {}).get("heldout_loss_final"),
+                    "sample": meta.get("sample")}
+    engines, build_s = {}, {}
+    for side in sides:
+        engines[side], build_s[side] = C.build_engine(
+            [ModelSpec(name="m", path=path)], speculative=side, num_speculative_tokens=a.k,
+            max_running_requests=8, max_model_len=512)
+    doc["setup"] = {"k": a.k, "sides": list(sides), "workloads": list(workloads),
+                    "rounds": rounds, "new_tokens": new_tokens, "batches": batches,
+                    "prompt_bytes": PROMPT_BYTES, "copy_span": COPY_SPAN, "copy_cue": COPY_CUE,
+                    "max_running_requests": 8, "token_budget": engines["off"].stats("m").max_num_batched_tokens,
+                    "build_s": {k: C.rnd(v, 1) for k, v in build_s.items()},
+                    "step_ms": {f"{T}{'+spec' if s else ''}": C.rnd(v, 3) for (T, s), v in
+                                sorted(engines["suffix"]._workers["m"].replicas[0].runner.step_ms.items())}}
+    if small:
+        import numpy as np
+
+        doc["model"]["params"] = engines["off"].model_info("m").num_params
+    per_round = max(WAVES * b if b > 1 else B1_REQUESTS for b in batches)
+    need = per_round * rounds * len(batches)
+    spans = held_out_spans(per_round + 3 * need, max(PROMPT_BYTES, COPY_SPAN))
+    repeat_set: list = [s[:PROMPT_BYTES] for s in spans[:per_round]]
+    if small:       # random token ids (the random model's tokenizer covers few of its ids)
+        rng = np.random.default_rng(0)
+        repeat_set = [rng.integers(10, 400, 64).tolist() for _ in range(per_round)]
+    fresh_pool = iter(spans[per_round:])
+    quiet = C.quiet_seconds(a)
+    doc["runs"], doc["summary"] = {}, {}
+    with C.cpu_window() as whole:
+        for B in batches:
+            for wl in workloads:
+                n = WAVES * B if B > 1 else B1_REQUESTS
+                label = f"b{B}/{wl}"
+                sets = []
+                for _ in range(rounds):
+                    if wl == "repeat":
+                        sets.append(repeat_set[:n])
+                    else:
+                        fresh = [next(fresh_pool) for _ in range(n)]
+                        sets.append([copy_prompt(s[:COPY_SPAN]) for s in fresh] if wl == "copy"
+                                    else [s[:PROMPT_BYTES] for s in fresh])
+                state = {"r": 0}
+
+                def side_fn(side: str, wl: str = wl, B: int = B, sets: list = sets, state: dict = state):
+                    def f() -> dict:
+                        return run_side(engines[side], wl, sets[min(state["r"], len(sets) - 1)], B, new_tokens)
+                    return f
+                fns = {side: side_fn(side) for side in sides}
+                # a round's prompts are the same for every side: advance after the last side ran
+                wrapped = {}
+                for i, side in enumerate(sides):
+                    def g(side: str = side) -> dict:
+                        res = fns[side]()
+                        state["done"] = state.get("done", 0) + 1
+                        if state["done"] % len(sides) == 0:
+                            state["r"] += 1
+                        return res
+                    wrapped[side] = g
+                runs = C.run_pairs(wrapped, rounds, retries=0 if a.quick else 2, label=label, quiet_s=quiet)
+                doc["runs"][label] = runs
+                doc["summary"][label] = summarize(runs)
+                C.log(f"{label}: {doc['summary'][label]['speedup']} accept {doc['summary'][label]['accept_rate']}")
+    doc["cpu"] = whole.result
+    doc["compilations"] = {k: C.compile_counts(e) for k, e in engines.items()}
+    doc["targets"] = {}
+    for label, s in doc["summary"].items():
+        wl = label.split("/")[1]
+        for side in sides[1:]:
+            doc["targets"][f"{label}/{side}"] = C.target(s["speedup"].get(side), GOALS[wl])
+    doc["targets"]["compilations_after_warmup"] = C.target(
+        max(c["engine_after_warmup"] for c in doc["compilations"].values()), 0, higher_is_better=False)
+    if not a.no_plot and not small:
+        plots(doc, a.quick)
+    for e in engines.values():
+        e.shutdown(timeout=5.0)
+    return C.finish(doc, name, a.quick)
+
+
+def plots(doc: dict, quick: bool) -> None:
+    labels = list(doc["summary"])
+    note = C.host_line(doc.get("machine"))
+    C.bar_plot(C.result_path(NAME, quick, "png"), f"Speculative decoding: tok/s over --speculative off (K {doc['setup']['k']})",
+               labels, {side: [doc["summary"][lb]["speedup"].get(side) for lb in labels] for side in ("ngram", "suffix")},
+               "speed-up (x)", note)
+    C.bar_plot(C.result_path(NAME + "_accept", quick, "png"), "Accept length (tokens per verifying row-step)",
+               labels, {side: [doc["summary"][lb]["accept_length"].get(side) for lb in labels] for side in ("ngram", "suffix")},
+               "tokens", note)
+
+
+def render_small(d: dict, quick: bool) -> list[str]:
+    """README lines for benchmarks/results/spec_decode_small.json (the bandwidth-bound case)."""
+    st, m = d.get("setup") or {}, d.get("model") or {}
+    lines = [f"### Speculative decoding on a larger model: repeated requests, random '{m.get('name')}' Llama "
+             f"({C.cpu_line(d)})", "", C.source_line(NAME + "_small", quick, d), "",
+             f"The `repeat` workload only (a repeated greedy request replays its answer exactly, whatever the weights), "
+             f"on generate_vs_hf's random '{m.get('name')}' Llama ({m.get('params')} parameters, float32): engines "
+             f"`--speculative off` and `suffix` (K = {st.get('k')}), {st.get('new_tokens')} new tokens after 64 random "
+             f"prompt tokens, alternating rounds ({st.get('rounds')}), medians.", "",
+             "| batch | off tok/s | suffix tok/s | speed-up | accept rate | accept length | greedy identical | clean rounds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, s in (d.get("summary") or {}).items():
+        ts, sp = s.get("tok_s", {}), s.get("speedup", {})
+        ident = "yes" if all((s.get("identical_to_off") or {}).values()) else "NO"
+        lines.append(f"| {label.split('/')[0]} | {C.fmt(ts.get('off'))} | {C.fmt(ts.get('suffix'))} | {_x(sp.get('suffix'))} | "
+                     f"{C.fmt((s.get('accept_rate') or {}).get('suffix'), '{:.2f}')} | "
+                     f"{C.fmt((s.get('accept_length') or {}).get('suffix'), '{:.2f}')} | {ident} | "
+                     f"{s.get('clean_rounds')} of {s.get('rounds')} |")
+    comp = ", ".join(f"{k} {v.get('engine_after_warmup')}" for k, v in (d.get("compilations") or {}).items())
+    return lines + ["", f"Compilations after warmup: {comp} (target 0).", ""]
+
+
+def _x(v: Any) -> str:
+    return f"{v:.2f}×" if isinstance(v, (int, float)) else "–"
+
+
+def render(d: dict, quick: bool) -> list[str]:
+    """README lines for benchmarks/results/spec_decode.json."""
+    st = d.get("setup") or {}
+    m = d.get("model") or {}
+    lines = [f"### Speculative decoding: off vs ngram vs suffix on the trained model, in-process ({C.cpu_line(d)})", "",
+             C.source_line(NAME, quick, d), "",
+             f"The model of `benchmarks/train_tiny.py` ({m.get('params', '?')} parameters, byte-level, trained here on the "
+             f"Python standard library; held-out loss {m.get('heldout_loss_nats_per_byte', '?')} nats/byte). Three "
+             f"in-process engines (`--speculative off`, `ngram`, `suffix`; K = {st.get('k')} guesses per row at most, the "
+             f"server's CPU defaults otherwise: token budget {st.get('token_budget')}, prefix cache on), alternating rounds "
+             f"({st.get('rounds')} per row), medians; {st.get('new_tokens')} new tokens per request, EOS ignored. repeat: the "
+             "same prompts asked a second time (timed); copy: a code span then a newline and its first "
+             f"{COPY_CUE} bytes; fresh: unseen held-out prompts, greedy; sampled: unseen prompts at temperature 0.8, "
+             "top-p 0.95. Speed-up = tok/s over the off engine's in the same rounds; accept rate = accepted / proposed "
+             "guesses; accept length = tokens a verifying row emits per step.", "",
+             "| batch / workload | off tok/s | ngram tok/s | ngram speed-up | suffix tok/s | suffix speed-up | goal | "
+             "accept rate ngram / suffix | accept length ngram / suffix | greedy identical | clean rounds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    tg = d.get("targets") or {}
+    for label, s in (d.get("summary") or {}).items():
+        wl = label.split("/")[1]
+        ts, sp, ar, al = s.get("tok_s", {}), s.get("speedup", {}), s.get("accept_rate", {}), s.get("accept_length", {})
+        met = "/".join("met" if (tg.get(f"{label}/{x}") or {}).get("met") else "not met" for x in ("ngram", "suffix"))
+        ident = "–" if wl == "sampled" else ("yes" if all((s.get("identical_to_off") or {}).values()) else "NO")
+        lines.append(f"| {label} | {C.fmt(ts.get('off'))} | {C.fmt(ts.get('ngram'))} | {_x(sp.get('ngram'))} | "
+                     f"{C.fmt(ts.get('suffix'))} | {_x(sp.get('suffix'))} | ≥ {GOALS[wl]:g}× ({met}) | "
+                     f"{C.fmt(ar.get('ngram'), '{:.2f}')} / {C.fmt(ar.get('suffix'), '{:.2f}')} | "
+                     f"{C.fmt(al.get('ngram'), '{:.2f}')} / {C.fmt(al.get('suffix'), '{:.2f}')} | {ident} | "
+                     f"{s.get('clean_rounds')} of {s.get('rounds')} |")
+    comp = ", ".join(f"{k} {v.get('engine_after_warmup')}" for k, v in (d.get("compilations") or {}).items())
+    lines += ["", f"Compilations after warmup: {comp} "
+                  "(target 0). Step program times the planner used (ms, token bucket, `+spec` = the verifying variant): "
+                  + ", ".join(f"{k} {v}" for k, v in (st.get("step_ms") or {}).items()) + "."]
+    sample = m.get("sample") or {}
+    if sample:
+        lines += ["", f"A sample of the model (greedy, from `benchmarks/results/train_tiny.json`): prompt "
+                      f"`{sample.get('prompt', '')!r}` →", "", "```", (sample.get("greedy_continuation") or "")[:200], "```"]
+    for png in (NAME, NAME + "_accept"):
+        p = C.result_path(png, quick, "png")
+        if os.path.isfile(p):
+            lines += ["", f"![{png}]({C.rel(p)})"]
+    return lines + [""]
+
+
+if __name__ == "__main__":
+    main()

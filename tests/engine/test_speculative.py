@@ -1,0 +1,227 @@
+"""Speculative decoding (--speculative ngram / suffix): the output is what the model produces
+without it, token for token for greedy rows and in distribution for sampled rows; guesses are
+actually made and accepted; nothing leaks and nothing compiles after warmup.
+
+One warmed engine serves every test here; a test switches speculation on and off by giving the
+replica's scheduler a Drafter or None (the runner's programs are the same either way)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from jax_engine.config import ModelSpec
+from jax_engine.decode.speculate import Drafter
+from jax_engine.engine import Engine
+from jax_engine.errors import InvalidRequest
+from jax_engine.types import Constraint
+from tests.helpers import hf_models
+from tests.helpers.engines import PROMPTS, build_tiny_decoder, engine_logits, greedy_all, make_engine, run, small_args
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = build_tiny_decoder(str(tmp_path_factory.mktemp("tiny_spec")))
+    eng = make_engine(path, warmup=True, speculative="ngram", num_speculative_tokens=K)
+    runner = _sched(eng).runner
+    # warmup measured the step programs (the planner's cost table), monotone in the token bucket
+    ms = [runner.step_ms[(T, spec)] for T in runner.token_buckets for spec in (False, True)]
+    assert len(ms) == 2 * len(runner.token_buckets) and ms == sorted(ms)
+    runner.step_ms = {}     # every width costs the same here: the planner verifies every guess
+    yield eng
+    eng.shutdown(timeout=5.0)
+
+
+def _sched(engine):
+    return engine._workers["gen"].replicas[0]
+
+
+def _use(engine, method):
+    """Speculate with `method` ("off": not at all) from now on; returns the new drafter (or None)."""
+    s = _sched(engine)
+    s.drafter = None if method == "off" else Drafter(method, K)
+    return s.drafter
+
+
+# prompts a tiny random model continues with repeats (so there is something to guess) and without
+LOOPY = [[5, 6, 7, 8] * 6, [9, 10] * 10, [30 + i % 7 for i in range(40)]]
+FRESH = [list(range(3, 40)), list(range(100, 130))]
+
+
+def _requests():
+    """16 requests over every sampling feature that must stay exact under speculation."""
+    reqs = []
+    for i in range(16):
+        p = (LOOPY + FRESH)[i % 5]
+        kw = dict(temperature=0.0, max_new_tokens=[40, 7, 25, 33][i % 4], logprobs=True, top_logprobs=2)
+        if i % 4 == 1:
+            kw.update(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)
+        if i % 4 == 2:
+            kw.update(logit_bias={17: 3.0, 430: -5.0}, min_new_tokens=12)
+        if i % 8 == 3:
+            kw.update(n=2)
+        reqs.append((p, kw))
+    return reqs
+
+
+def _key(res):
+    """Everything a client sees of one request's answer, per sequence."""
+    out = []
+    for idx in sorted(res):
+        r = res[idx]
+        f = r["final"]
+        out.append((r["tokens"], r["text"], f.finish_reason, f.matched_stop,
+                    [(lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top]) for lp in r["logprobs"]]))
+    return out
+
+
+def _run_all(engine, reqs):
+    async def main():
+        return await asyncio.gather(*[run(engine, p, **kw) for p, kw in reqs])
+    return [_key(r) for r in asyncio.run(main())]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_output_unchanged_batch_16_and_1(engine, method):
+    reqs = _requests()
+    _use(engine, "off")
+    want = _run_all(engine, reqs)
+    d = _use(engine, method)
+    got = _run_all(engine, reqs)                        # all 16 at once
+    got += _run_all(engine, reqs)                       # again: the suffix cache now knows the answers
+    one = [_run_all(engine, [r])[0] for r in reqs[:4]]  # batch 1
+    assert got[:16] == want and got[16:] == want and one == want[:4]
+    st = d.stats()
+    assert st.verify_rows > 0 and st.accepted_tokens > 0, st
+    if method == "suffix":   # a repeated request is guessed almost entirely
+        assert st.accept_rate > 0.5, st
+    s = _sched(engine)
+    assert s.pool.num_used() == 0 and not s.requests             # no page or request leaked
+
+
+def test_stop_strings_and_max_tokens_cut_inside_an_accepted_run(engine):
+    _use(engine, "off")
+    base = _run_all(engine, [(LOOPY[0], dict(temperature=0.0, max_new_tokens=40))])[0][0]
+    text = base[1]
+    stop = text[len(text) // 3: len(text) // 3 + 3]
+    reqs = [(LOOPY[0], dict(temperature=0.0, max_new_tokens=40, stop=[stop])),
+            (LOOPY[0], dict(temperature=0.0, max_new_tokens=40, stop=[stop], include_stop_str_in_output=True)),
+            (LOOPY[0], dict(temperature=0.0, max_new_tokens=13)),
+            (LOOPY[0], dict(temperature=0.0, max_new_tokens=40, stop_token_ids=[base[0][20]]))]
+    want = _run_all(engine, reqs)
+    d = _use(engine, "suffix")
+    _run_all(engine, [(LOOPY[0], dict(temperature=0.0, max_new_tokens=40))])   # the cache learns the answer
+    got = _run_all(engine, reqs)
+    assert got == want
+    assert want[0][0][2] == "stop" and want[2][0][2] == "length" and len(want[2][0][0]) == 13
+    assert d.stats().accepted_tokens > 20
+
+
+def test_constrained_rows_verify_against_the_grammar(engine):
+    c = Constraint(kind="regex", spec="(ab|cd){3,12}")
+    reqs = [(LOOPY[i], dict(temperature=0.0, max_new_tokens=30, constraint=c)) for i in range(3)]
+    _use(engine, "off")
+    want = _run_all(engine, reqs)
+    d = _use(engine, "suffix")
+    got = _run_all(engine, reqs) + _run_all(engine, reqs)
+    assert got == want + want
+    assert d.stats().accepted_tokens > 0
+
+
+def test_sampled_tokens_keep_their_distribution(engine):
+    """Chi-square over the first three tokens (top-k 3: 27 outcomes) with a guess for the second on
+    every request, the least likely candidate (so most guesses are rejected and the residual draw
+    is exercised) and an accepted guess followed by the free draw of the third: the rejection rule
+    must leave p(x1) p(x2 | x1) p(x3 | x1 x2) as it is."""
+    worker = engine._workers["gen"]
+    prompt = [5, 6, 7, 8, 9]
+    n, temp, top_k = 3000, 1.5, 3
+
+    def probs(ctx):
+        lg = engine_logits(worker, ctx)[-1].astype(np.float64)
+        top = np.argsort(-lg)[:top_k]
+        z = lg[top] / temp
+        p = np.exp(z - z.max())
+        return dict(zip(top.tolist(), (p / p.sum()).tolist()))
+
+    p1 = probs(prompt)
+    p2 = {a: probs(prompt + [a]) for a in p1}
+    joint = {(a, b, c): p1[a] * p2[a][b] * pc for a in p1 for b in p2[a]
+             for c, pc in probs(prompt + [a, b]).items()}
+    guess = {a: min(p2[a], key=p2[a].get) for a in p1}     # the least likely second token
+
+    class Fixed:
+        def propose(self, tokens, k):
+            return [guess[tokens[len(prompt)]]][:k] if len(tokens) == len(prompt) + 1 else []
+
+        def finish(self, tokens=None):
+            pass
+
+    class Always:
+        def start(self, prompt):
+            return Fixed()
+
+    d = _use(engine, "ngram")
+    d.speculator = Always()
+    d.min_accept_rate = 0.0                         # never pause: every request verifies its guess
+
+    async def main():
+        out = []
+        for lo in range(0, n, 200):      # within --max-waiting-requests
+            out += await asyncio.gather(*[run(engine, prompt, seed=1000 + i, temperature=temp, top_k=top_k,
+                                              max_new_tokens=3) for i in range(lo, lo + 200)])
+        return out
+    res = asyncio.run(main())
+    counts: dict = {}
+    for r in res:
+        c = tuple(r[0]["tokens"])
+        counts[c] = counts.get(c, 0) + 1
+    assert set(counts) <= set(joint)
+    st = d.stats()
+    assert st.verify_rows == n and 0 < st.accepted_tokens < n / 2, st
+    chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in joint.items())
+    assert len(joint) == 27 and chi2 < 54.05, (chi2, counts, joint)   # p = 0.001 at 26 degrees of freedom
+
+
+def test_no_compiles_after_warmup_with_speculation(engine):
+    _use(engine, "suffix")
+    _run_all(engine, _requests())
+    st = engine.stats("gen")
+    assert st.compilations_after_warmup == 0
+    assert st.spec is None or st.spec.method in ("ngram", "suffix")
+
+
+@pytest.mark.parametrize("kw,match", [(dict(speculative="draft"), "--speculative"),
+                                      (dict(speculative="ngram", num_speculative_tokens=0), "--num-speculative-tokens"),
+                                      (dict(speculative="suffix", num_speculative_tokens=17), "--num-speculative-tokens")])
+def test_bad_flags_are_refused(tmp_path, kw, match):
+    path = build_tiny_decoder(str(tmp_path / "m"))
+    with pytest.raises(InvalidRequest, match=match):
+        Engine(small_args(models=[ModelSpec(name="gen", path=path)], **kw)).load_all(progress=False, warmup=False)
+
+
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "qwen2_yarn", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_greedy_equals_transformers_with_suffix_speculation(family, tmp_path):
+    """Each decoder family, its prompts answered twice (the second time mostly guessed from the
+    first answer), against transformers' greedy tokens."""
+    path = str(tmp_path / family)
+    model = hf_models.build(family, path)
+    moe = family in ("mixtral", "qwen3_moe")
+    kw = dict(cpu_matmul="xla", attention_backend="reference") if moe else {}
+    eng = Engine(small_args(models=[ModelSpec(name="m", path=path)], speculative="suffix",
+                            num_speculative_tokens=K, **kw))
+    try:
+        eng.load_all(progress=False, warmup=False)
+        want = [hf_models.hf_greedy(model, p, 24) for p in PROMPTS]
+        assert asyncio.run(greedy_all(eng, PROMPTS, 24)) == want
+        assert asyncio.run(greedy_all(eng, PROMPTS, 24)) == want
+        st = eng.stats("m").spec
+        assert st is not None and st.accepted_tokens >= 24, st
+    finally:
+        eng.shutdown(timeout=5.0)

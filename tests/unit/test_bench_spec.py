@@ -1,0 +1,46 @@
+"""The pure helpers and README renderer of benchmarks/spec_decode.py (no engine runs here; the
+benchmark itself is `python -m benchmarks.spec_decode [--quick]`)."""
+from __future__ import annotations
+
+from benchmarks import spec_decode as D
+
+
+def _round(tok_s: float, digest: str = "d", clean: bool = True, acc=None) -> dict:
+    r = {"tok_s": tok_s, "digest": digest, "clean": clean, "accept_rate": acc, "accept_length": 1 + 3 * (acc or 0)}
+    return r
+
+
+def test_summarize_medians_speedups_and_identity():
+    runs = {"off": [_round(100), _round(110), _round(90, clean=False)],
+            "ngram": [_round(150, acc=0.5), _round(160, acc=0.6), _round(10, clean=False, acc=0.1)],
+            "suffix": [_round(300, acc=0.9), _round(280, digest="x", acc=0.8), _round(1, clean=False)]}
+    s = D.summarize(runs)
+    assert s["tok_s"] == {"off": 105.0, "ngram": 155.0, "suffix": 290.0}     # clean rounds only
+    assert s["speedup"] == {"ngram": round(155 / 105, 3), "suffix": round(290 / 105, 3)}
+    assert s["identical_to_off"] == {"ngram": True, "suffix": False}
+    assert (s["rounds"], s["clean_rounds"]) == (3, 2)
+    assert s["accept_rate"]["suffix"] == 0.85
+
+
+def test_prompts_are_held_out_definitions_and_copy_cues_repeat_the_span():
+    spans = D.held_out_spans(6, 64)
+    assert len(spans) == 6 and len(set(spans)) == 6
+    assert all(len(s) == 64 and s.lstrip().startswith("def ") for s in spans)
+    p = D.copy_prompt(spans[0])
+    assert p.startswith(spans[0] + "\n") and p.endswith(spans[0][:D.COPY_CUE])
+
+
+def test_render_shows_every_row_goal_and_the_sample():
+    runs = {"off": [_round(100)], "ngram": [_round(130, acc=0.5)], "suffix": [_round(260, acc=0.9)]}
+    doc = {"setup": {"k": 4, "rounds": 1, "new_tokens": 128, "token_budget": 64, "step_ms": {"8": 2.0, "8+spec": 2.1}},
+           "model": {"params": 3040000, "heldout_loss_nats_per_byte": 1.86,
+                     "sample": {"prompt": "import os\n", "greedy_continuation": "def f():"}},
+           "machine": {"cpu": "test cpu", "cores": 2}, "cpu": {"cpu_share_of_cores": 0.9, "others_share_of_cores": 0.0},
+           "finished": "2026-01-01T00:00:00+0000",
+           "summary": {"b1/repeat": D.summarize(runs), "b8/sampled": D.summarize(runs)},
+           "compilations": {"off": {"engine_after_warmup": 0}, "suffix": {"engine_after_warmup": 0}}}
+    doc["targets"] = {"b1/repeat/suffix": {"met": True}, "b1/repeat/ngram": {"met": False}}
+    text = "\n".join(D.render(doc, quick=True))
+    assert "| b1/repeat | 100.0 | 130.0 | 1.30× | 260.0 | 2.60× | ≥ 2.5× (not met/met) |" in text
+    assert "| b8/sampled |" in text and "≥ 0.97×" in text
+    assert "def f():" in text and "Compilations after warmup: off 0, suffix 0" in text
