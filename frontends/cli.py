@@ -422,11 +422,12 @@ def _log_models(engine) -> None:
 
     devices = jax.devices()
     for info in engine.models():
-        used = devices[: max(1, info.tp * info.replicas)]
+        used = devices[: max(1, info.tp * info.ep * info.replicas)]
         log.info("model %s: %s (%s), %s parameters, dtype %s, quantization %s, max_model_len %d, devices %s, "
-                 "mesh data=%d x model=%d", info.name, info.architecture, info.task, _human(info.num_params),
+                 "mesh data=%d x model=%d%s", info.name, info.architecture, info.task, _human(info.num_params),
                  info.dtype, info.quantization, info.max_model_len,
-                 ",".join(f"{d.platform}:{d.id}" for d in used), info.replicas, info.tp)
+                 ",".join(f"{d.platform}:{d.id}" for d in used), info.replicas, info.tp,
+                 f" x expert={info.ep}" if info.ep > 1 else "")
         if info.random_weights:
             log.warning("model %s has RANDOM weights (the bundled demo generator): its output is meaningless. "
                         "Pass --model NAME=PATH to serve a real model.", info.name)

@@ -158,6 +158,7 @@ class ModelInfo:
     # `is_matryoshka: true`; empty = the full embedding_dim only.
     matryoshka_dimensions: list[int] = field(default_factory=list)
     tp: int = 1
+    ep: int = 1                    # expert parallelism (mixture-of-experts decoders; a replica uses tp x ep devices)
     replicas: int = 1
     page_size: int = 0
     quantization: str = "none"

@@ -67,7 +67,7 @@ def make_meshes(tp: int, replicas: int, ep: int = 1) -> list[Optional[Mesh]]:
     per = tp * ep
     if jax.process_count() > 1 and (replicas != 1 or per != len(devs)):
         raise InvalidRequest(f"with {jax.process_count()} processes a decoder runs as one TP mesh over all "
-                             f"{len(devs)} devices: use --tp {len(devs)} --replicas 1 (got tp {tp}, ep {ep}, "
+                             f"{len(devs)} devices: use --tp x --ep = {len(devs)} and --replicas 1 (got tp {tp}, ep {ep}, "
                              f"replicas {replicas}); for more replicas run more servers behind a router")
     if per * replicas > len(devs):
         raise InvalidRequest(f"tp {tp} x ep {ep} x replicas {replicas} needs {per * replicas} devices, have {len(devs)}")
@@ -166,7 +166,7 @@ class GenerateWorker:
             eos_token_ids=sorted(self.eos_ids),
             bos_token_id=cfg.bos_token_id if cfg.bos_token_id is not None else tok.bos_token_id,
             pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else tok.pad_token_id,
-            hidden_size=cfg.hidden_size, embedding_dim=cfg.hidden_size, tp=tp, replicas=replicas,
+            hidden_size=cfg.hidden_size, embedding_dim=cfg.hidden_size, tp=tp, ep=ep, replicas=replicas,
             page_size=self.page_size, quantization=quant,
             random_weights=spec.random_weights,
         )
