@@ -208,7 +208,7 @@ FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "qwen2_yarn", "phi3", "gemma2
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_greedy_equals_transformers_with_suffix_speculation(family, tmp_path):
-    """Each decoder family, its prompts answered twice (the second time mostly guessed from the
+    """Each decoder family, two prompts answered twice (the second time mostly guessed from the
     first answer), against transformers' greedy tokens."""
     path = str(tmp_path / family)
     model = hf_models.build(family, path)
@@ -218,10 +218,11 @@ def test_every_family_greedy_equals_transformers_with_suffix_speculation(family,
                             num_speculative_tokens=K, **kw))
     try:
         eng.load_all(progress=False, warmup=False)
-        want = [hf_models.hf_greedy(model, p, 24) for p in PROMPTS]
-        assert asyncio.run(greedy_all(eng, PROMPTS, 24)) == want
-        assert asyncio.run(greedy_all(eng, PROMPTS, 24)) == want
+        prompts = [PROMPTS[0], PROMPTS[3]]               # 37 and 56 tokens: beyond the test windows
+        want = [hf_models.hf_greedy(model, p, 20) for p in prompts]
+        assert asyncio.run(greedy_all(eng, prompts, 20)) == want
+        assert asyncio.run(greedy_all(eng, prompts, 20)) == want
         st = eng.stats("m").spec
-        assert st is not None and st.accepted_tokens >= 24, st
+        assert st is not None and st.accepted_tokens >= 20, st
     finally:
         eng.shutdown(timeout=5.0)
