@@ -178,6 +178,16 @@ def fmt_spread(d: dict | None) -> str:
     return f"{fmt(d.get('min'), '{:g}')} / {fmt(d.get('median'), '{:g}')} / {fmt(d.get('max'), '{:g}')}"
 
 
+def prefix_match(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two greedy sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
     if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
         return None

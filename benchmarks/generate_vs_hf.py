@@ -355,15 +355,6 @@ def roofline(cfg: dict, weight_bytes: int, kv_itemsize: int, batch: int, prompt:
     return out
 
 
-def prefix_match(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 # =============================================================================================
 # main
 # =============================================================================================
@@ -726,7 +717,7 @@ def summarize_batch(runs: dict, cfg: dict, weight_bytes: int, kv_itemsize: int, 
     for peer, key in (("hf_static", "greedy_match_vs_hf"), ("llamacpp", "greedy_match_vs_llamacpp")):
         h = runs.get(peer, [])
         if h:
-            pm = [prefix_match(a, b) for r1, r2 in zip(e, h) for a, b in zip(r1["output_ids"], r2["output_ids"])]
+            pm = [C.prefix_match(a, b) for r1, r2 in zip(e, h) for a, b in zip(r1["output_ids"], r2["output_ids"])]
             out[key] = {"first_token_equal": sum(p > 0 for p in pm), "sequences": len(pm),
                         "matching_prefix_len_median": C.median(pm), "of": new,
                         "peer_dtype": peer_dtypes.get(peer, PEER_DTYPE[dtype])}

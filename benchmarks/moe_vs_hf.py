@@ -168,15 +168,6 @@ def hf_round(peer, prompts: list[list[int]], new_tokens: int) -> dict:
     return res
 
 
-def prefix_match(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def summarize_batch(runs: dict[str, list[dict]], new_tokens: int) -> dict:
     """Medians per side (clean rounds when any), the ratios (> 1: xlaserve better), greedy agreement."""
     e, h = runs["xlaserve"], runs["transformers"]
@@ -194,7 +185,7 @@ def summarize_batch(runs: dict[str, list[dict]], new_tokens: int) -> dict:
         s["prefill_ms"] = C.rnd(s["prefill_s"] * 1e3, 1) if s.get("prefill_s") is not None else None
         s["cpu_share_runs"] = [r["cpu"]["cpu_share_of_cores"] for r in runs[side]]
     out["xlaserve"]["errors"] = sum(r.get("errors", 0) for r in e)
-    pm = [prefix_match(a, b) for r1, r2 in zip(e, h) for a, b in zip(r1.get("output_ids") or [], r2.get("output_ids") or [])]
+    pm = [C.prefix_match(a, b) for r1, r2 in zip(e, h) for a, b in zip(r1.get("output_ids") or [], r2.get("output_ids") or [])]
     out["greedy_match"] = {"sequences": len(pm), "all_equal": sum(p == new_tokens for p in pm),
                            "first_token_equal": sum(p > 0 for p in pm), "matching_prefix_median": C.median(pm) if pm else None,
                            "of": new_tokens}

@@ -243,24 +243,16 @@ def main(argv: list[str] | None = None) -> dict:
                         fresh = [next(fresh_pool) for _ in range(n)]
                         sets.append([copy_prompt(s[:COPY_SPAN]) for s in fresh] if wl == "copy"
                                     else [s[:PROMPT_BYTES] for s in fresh])
-                state = {"r": 0}
+                calls = [0]     # a round's prompts are the same for every side: round = calls // sides
 
-                def side_fn(side: str, wl: str = wl, B: int = B, sets: list = sets, state: dict = state):
+                def side_fn(side: str, wl: str = wl, B: int = B, sets: list = sets, calls: list = calls):
                     def f() -> dict:
-                        return run_side(engines[side], wl, sets[min(state["r"], len(sets) - 1)], B, new_tokens)
+                        r = min(calls[0] // len(sides), len(sets) - 1)
+                        calls[0] += 1
+                        return run_side(engines[side], wl, sets[r], B, new_tokens)
                     return f
-                fns = {side: side_fn(side) for side in sides}
-                # a round's prompts are the same for every side: advance after the last side ran
-                wrapped = {}
-                for i, side in enumerate(sides):
-                    def g(side: str = side) -> dict:
-                        res = fns[side]()
-                        state["done"] = state.get("done", 0) + 1
-                        if state["done"] % len(sides) == 0:
-                            state["r"] += 1
-                        return res
-                    wrapped[side] = g
-                runs = C.run_pairs(wrapped, rounds, retries=0 if a.quick else 2, label=label, quiet_s=quiet)
+                runs = C.run_pairs({side: side_fn(side) for side in sides}, rounds, retries=0 if a.quick else 2,
+                                   label=label, quiet_s=quiet)
                 doc["runs"][label] = runs
                 doc["summary"][label] = summarize(runs)
                 C.log(f"{label}: {doc['summary'][label]['speedup']} accept {doc['summary'][label]['accept_rate']}")
