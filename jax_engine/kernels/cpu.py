@@ -218,11 +218,20 @@ def num_panels(n: int) -> int:
     return -(-n // PANEL)
 
 
+def packed_shape(lead: tuple[int, ...], k: int, n: int, dtype: Any) -> tuple[int, ...]:
+    """Shape of `pack`'s panels for a [*lead, k, n] weight: [*lead, P, K, 64], or for bfloat16
+    [*lead, P, ceil(K / 2), 128] (contraction rows in interleaved pairs, cpu.cc's pair kernel)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return lead + (num_panels(n), -(-k // 2), 2 * PANEL)
+    return lead + (num_panels(n), k, PANEL)
+
+
 def pack(w: Any, k_dims: int, stacked: bool) -> Any:
     """[L?, K..., N...] (k_dims contraction dims after the optional layer axis) -> [L, P, K, 64],
-    the output axis zero-padded to whole panels; bfloat16 stays bfloat16, other floats become
-    float32. A weight-only int8
-    {"q", "s"} weight keeps int8 panels and gets its per-column scale as [L, 64 P]."""
+    the output axis zero-padded to whole panels; other floats become float32. bfloat16 stays
+    bfloat16 in pairs: [L, P, ceil(K / 2), 128], element [l, p, j, 2c + e] = w[l, 2j + e, 64p + c]
+    (K zero-padded to even). A weight-only int8 {"q", "s"} weight keeps int8 panels and gets its
+    per-column scale as [L, 64 P]."""
     lead = 1 if stacked else 0
     q = w["q"] if isinstance(w, dict) else w
     L = q.shape[0] if stacked else 1
@@ -233,7 +242,11 @@ def pack(w: Any, k_dims: int, stacked: bool) -> Any:
     @jax.jit
     def _panels(a):
         a = a.reshape((L, K, N))
-        a = a if a.dtype in (jnp.int8, jnp.bfloat16) else a.astype(jnp.float32)
+        if a.dtype == jnp.bfloat16:
+            k2 = -(-K // 2)
+            a = jnp.pad(a, ((0, 0), (0, 2 * k2 - K), (0, P * PANEL - N)))
+            return a.reshape(L, k2, 2, P, PANEL).transpose(0, 3, 1, 4, 2).reshape(L, P, k2, 2 * PANEL)
+        a = a if a.dtype == jnp.int8 else a.astype(jnp.float32)
         a = jnp.pad(a, ((0, 0), (0, 0), (0, P * PANEL - N)))
         return a.reshape(L, K, P, PANEL).transpose(0, 2, 1, 3)
 
@@ -244,15 +257,20 @@ def pack(w: Any, k_dims: int, stacked: bool) -> Any:
 
 
 def gemm(x: jax.Array, w: Any, layer: Any, n: int) -> jax.Array:
-    """x [M, K] @ w[layer] (packed [L, P, K, 64] float32 or bfloat16, or int8 {"q", "s"}) -> [M, n]
-    float32; x is computed in float32 whatever its dtype (as XLA's preferred_element_type)."""
+    """x [M, K] @ w[layer] (packed float32 or bfloat16, or int8 {"q", "s"}) -> [M, n] float32.
+    x is computed in float32 for float32 and int8 weights (as XLA's preferred_element_type) and
+    rounded to bfloat16 for bfloat16 weights (a bfloat16 model's activations already are)."""
     _require()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     li = jnp.asarray(layer, jnp.int32).reshape(())
     if isinstance(w, dict):
         return jax.ffi.ffi_call(I8_TARGET, out)(x.astype(jnp.float32), w["q"], w["s"], li)
-    target = BF16_TARGET if w.dtype == jnp.bfloat16 else TARGET
-    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w, li)
+    if w.dtype == jnp.bfloat16:
+        xb = x.astype(jnp.bfloat16)
+        if xb.shape[1] % 2:                                   # the pair layout's zero row
+            xb = jnp.pad(xb, ((0, 0), (0, 1)))
+        return jax.ffi.ffi_call(BF16_TARGET, out)(xb, w, li)
+    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w, li)
 
 
 def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...]) -> jax.Array:
@@ -261,9 +279,9 @@ def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[
     lead = x.shape[:x.ndim - k_dims]
     K = math.prod(x.shape[x.ndim - k_dims:])
     n = math.prod(out_tail)
-    shape = (w["q"] if isinstance(w, dict) else w).shape
-    if shape[2] != K or num_panels(n) != shape[1]:
-        raise ValueError(f"packed weight {shape} does not fit input {x.shape} -> {out_tail}")
+    q = w["q"] if isinstance(w, dict) else w
+    if tuple(q.shape[1:]) != packed_shape((), K, n, q.dtype):
+        raise ValueError(f"packed weight {q.shape} does not fit input {x.shape} -> {out_tail}")
     y = gemm(x.reshape(-1, K), w, layer, n)
     return y.reshape(lead + tuple(out_tail))
 
@@ -285,8 +303,13 @@ def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, page_table: jax
 def reference_gemm(x: np.ndarray, w_packed: Any, layer: int, n: int) -> np.ndarray:
     """NumPy meaning of `gemm` (for tests): unpack the layer's panels and multiply."""
     q = np.asarray(w_packed["q"] if isinstance(w_packed, dict) else w_packed)
-    _, P, K, _ = q.shape
-    w = q[layer].transpose(1, 0, 2).reshape(K, P * PANEL)[:, :n].astype(np.float32).astype(np.float64)
+    if q.dtype == jnp.bfloat16:
+        _, P, K2, _ = q.shape
+        w = q[layer].reshape(P, K2, PANEL, 2).transpose(1, 3, 0, 2).reshape(2 * K2, P * PANEL)
+        w = w[:np.shape(x)[-1], :n].astype(np.float32).astype(np.float64)
+    else:
+        _, P, K, _ = q.shape
+        w = q[layer].transpose(1, 0, 2).reshape(K, P * PANEL)[:, :n].astype(np.float32).astype(np.float64)
     if isinstance(w_packed, dict):
         w = w * np.asarray(w_packed["s"])[layer, :n].astype(np.float64)
     return np.asarray(x, np.float64) @ w

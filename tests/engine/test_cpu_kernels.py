@@ -65,20 +65,25 @@ def test_int8_gemm_matches_numpy():
 
 
 def test_bfloat16_gemm_matches_numpy():
+    """The pair kernel (bfloat16 x bfloat16, float32 accumulation) against float64 NumPy: exact
+    products, so only the summation order differs. Odd K (a zero-padded pair), K past one 64-pair
+    pass, and M past the 6-row register tile and past one 384-row chunk."""
     rng = np.random.default_rng(12)
-    L, K_, N = 2, 80, 150
-    w = jnp.asarray(rng.standard_normal((L, K_, N), dtype=np.float32)).astype(jnp.bfloat16)
-    packed = K.pack(w, 1, stacked=True)
-    assert packed.dtype == jnp.bfloat16
-    wf = np.asarray(w.astype(jnp.float32)).astype(np.float64)
-    for M in (1, 6, 9):
-        x = jnp.asarray(rng.standard_normal((M, K_), dtype=np.float32)).astype(jnp.bfloat16)
-        for li in range(L):
-            got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(x, packed))
-            want = np.asarray(x.astype(jnp.float32)).astype(np.float64) @ wf[li]
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-            np.testing.assert_allclose(K.reference_gemm(np.asarray(x.astype(jnp.float32)), packed, li, N), want,
-                                       rtol=1e-6, atol=1e-5)
+    for L, K_, N, Ms in ((2, 80, 150, (1, 6, 9)), (1, 301, 64, (13, 400))):
+        w = jnp.asarray(rng.standard_normal((L, K_, N), dtype=np.float32)).astype(jnp.bfloat16)
+        packed = K.pack(w, 1, stacked=True)
+        assert packed.dtype == jnp.bfloat16 and packed.shape == K.packed_shape((L,), K_, N, jnp.bfloat16)
+        wf = np.asarray(w.astype(jnp.float32)).astype(np.float64)
+        # the layout: element [l, p, j, 2c + e] is w[l, 2j + e, 64p + c]
+        assert float(packed[L - 1, 0, 3, 2 * 5 + 1]) == wf[L - 1, 7, 5]
+        for M in Ms:
+            x = jnp.asarray(rng.standard_normal((M, K_), dtype=np.float32)).astype(jnp.bfloat16)
+            xf = np.asarray(x.astype(jnp.float32)).astype(np.float64)
+            for li in range(L):
+                got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(x, packed))
+                want = xf @ wf[li]
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+                np.testing.assert_allclose(K.reference_gemm(xf, packed, li, N), want, rtol=1e-6, atol=1e-5)
 
 
 def test_linear_keeps_structured_shapes():
@@ -199,7 +204,7 @@ def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
             runner = worker.replicas[0].runner
             assert worker.cfg.matmul == want
             qkv = runner.params["layers"]["qkv"]
-            assert (qkv.ndim == 4 and qkv.shape[-1] == K.PANEL) == (want == "kernel")
+            assert (qkv.ndim == 4 and qkv.shape[-1] in (K.PANEL, 2 * K.PANEL)) == (want == "kernel")
             # XLA:CPU cannot update a bfloat16 cache in place in the layer scan: CPU keeps KV in float32
             c = runner.cfg
             assert runner.state["k"].dtype == jnp.float32

@@ -46,6 +46,12 @@ def test_converted_checkpoints_load_and_match(src, tmp_path):
     convert(path, bf16, dtype="bfloat16", progress=False)
     err_bf16 = np.max(np.abs(_logits(bf16, dtype="bfloat16") - ref))
     assert err_bf16 < 0.05, f"bfloat16 max abs logit error {err_bf16}"
+    # bfloat16 through the CPU kernel's pair path (the default here) against XLA's dot: the same
+    # bfloat16 operands with float32 sums, so only the summation order (and the bfloat16 rounding
+    # of each layer's output after it) differs
+    xla_bf16 = _logits(bf16, dtype="bfloat16", engine_kw=dict(cpu_matmul="xla", attention_backend="reference"))
+    kern_bf16 = _logits(bf16, dtype="bfloat16", engine_kw=dict(cpu_matmul="kernel"))
+    assert np.max(np.abs(xla_bf16 - kern_bf16)) < 0.02
     # int8 weight-only, per-output-channel scales
     i8 = str(tmp_path / "i8")
     convert(path, i8, quantize="int8", progress=False)
