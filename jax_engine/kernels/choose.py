@@ -37,9 +37,14 @@ head) both paths on synthetic weights with the model's real contraction size, la
 (float32 / bfloat16 arrays, or weight-only int8 {"q", "s"}): XLA's einsum over the model's layout
 inside a `lax.scan` over stacked layers (as `llama.forward` runs it, slicing included), and the
 kernel on packed panels with the layer index. Row counts: 1 and the largest decode batch D
-(--max-running-requests) for the "decode" class (M <= D), and the largest prefill chunk T
-(--max-num-batched-tokens) for "prefill" (M > D). The LM head is timed at decode rows only: it
-multiplies more than D rows only for prompt logprobs (opt-in), which follow its decode choice.
+(--max-running-requests) for the "decode" class (M <= D); for "prefill" (M > D) the largest step
+T (--max-num-batched-tokens) and, where it fits (2 D <= m <= T / 2), a prompt-sized point m, the
+power of two nearest sqrt(D T) (D 16, T 2048: 256). Why the middle point: XLA:CPU's dot changes
+implementation with size, so one point at T can pick the wrong path for a 128-token prompt (bfloat16
+here: XLA level with the kernel at M = 2048 but 1.2-1.5x slower at 256; timed only at 2048, a
+128-token bfloat16 prefill took 135 ms, with the middle point 97-106 ms). The LM head is timed at
+decode rows only: it multiplies more than D rows only for prompt logprobs (opt-in), which follow
+its decode choice.
 Cost bounds, so a cold start on 2 cores pays a few seconds (nothing on a warm start, which reads
 the cached decision): a decode point streams about 2 x the last-level cache (64-256 MiB, from
 several stacked layers, or fewer output columns of a larger matrix) so it is DRAM-bound as in
@@ -72,11 +77,11 @@ shared, loaded 2-core host), median ms per layer, kernel / XLA:
   float32   decode M=1: qkv 0.19/0.30, o 0.09/0.25, gate_up 0.54/0.90, down 0.27/0.44, head 2.7/3.0;
             decode M=16: 0.44/0.65 ... head 6.7/10.2; prefill M=512: within 2% of each other
             -> the kernel for every matrix and row count (one layout).
-  bfloat16  decode: the kernel 3-40x faster (XLA:CPU's bfloat16 dot is slow); prefill M=512: XLA
-            1.5-1.8x faster -> both layouts for the four layer matrices (+144 MiB), and the head
-            on the kernel for M <= 4 only (its M=16 took 23 ms vs XLA's 19: above 6 rows the
-            kernel widens each 128-row chunk into a 32 KiB float buffer, which with its source
-            overflows this host's 32 KiB L1).
+  bfloat16  (the pair kernel, vdpbf16ps: cpu.cc) decode: the kernel 3-15x faster (XLA:CPU's
+            bfloat16 dot is slow at small M); M=256: the kernel 1.1-1.5x faster for o, gate_up
+            and down, XLA 1.2x for qkv (320 columns); M=2048: level within 15% -> the kernel for
+            every matrix to 1024 rows, qkv on XLA above 16 rows, gate_up on XLA above 1024 (both
+            layouts for those two).
   int8      the kernel everywhere but qkv at M=16 (XLA 11% faster, so qkv keeps both layouts,
             +11 MiB). A cold choice took 6-8 s here (half of it compiling 28 small programs);
             a warm start reads the cached JSON in ~10 ms.
@@ -107,7 +112,7 @@ from jax_engine.models import llama
 
 log = logging.getLogger("xlaserve.kernels")
 
-RULE_VERSION = 2
+RULE_VERSION = 3
 MARGIN = 0.10                    # a second layout must win by more than this (see the module docstring)
 SAMPLES = 5                      # alternating samples per path and point (after one warm call each)
 MIN_SAMPLE_S = 0.002             # back-to-back calls per sample until at least this long
@@ -157,6 +162,9 @@ def cases(cfg: Any, dtype: Any, quantize: str, decode_rows: int, prefill_tokens:
     `library`, the library sgemm too (off in `configure`: see LIBRARY_IN_AUTO)."""
     dec = sorted({1, decode_rows})
     pre = [prefill_tokens] if prefill_tokens > decode_rows else []
+    mid = 2 ** round(math.log2(math.sqrt(max(decode_rows, 1) * prefill_tokens))) if pre else 0
+    if 2 * decode_rows <= mid <= prefill_tokens // 2:    # a prompt-sized point between D and T
+        pre.insert(0, mid)
     name = jnp.dtype(dtype).name
     # the library sgemm: float32 only (numpy's OpenBLAS has no bfloat16 or int8 GEMM), timed at
     # prefill rows only (at decode rows it is a GEMV against the panel kernel's stream)

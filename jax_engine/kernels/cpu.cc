@@ -100,6 +100,18 @@ inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t l
 constexpr int64_t kKc = 128;   // K rows per pass over the M blocks: 32 KiB of panel stays in L1
 constexpr int64_t kMc = 192;   // rows of x per work item when M is large (192 x 768 floats = 576 KiB, in L2)
 
+// Rows per work item: kMc when M is large; otherwise all M rows, unless the matrix has too few
+// panels to keep every thread busy (a [768 -> 320] qkv has 5: 3 + 2 on two threads), when the
+// rows are split into whole register tiles so there are about 4 items per thread. A row chunk
+// re-reads its panel (from L2: 96-192 KiB at K = 768), which costs far less than an idle core.
+inline int64_t row_chunk(int64_t M, int64_t P, int64_t threads) {
+  if (M > 2 * kMc) return kMc;
+  const int64_t want = (4 * threads + P - 1) / P;          // row chunks per panel for ~4 items per thread
+  if (want <= 1 || M < 12) return M;
+  const int64_t mc = ((M + want - 1) / want + 5) / 6 * 6;
+  return std::max<int64_t>(6, mc);
+}
+
 // The micro-kernel for 1..6 rows (the register tile's row count is a template parameter).
 template <typename W>
 inline void micro_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
@@ -190,7 +202,7 @@ ffi::Error gemm(ffi::ThreadPool& pool, const float* xp, const W* wp, const float
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // Large M (prefill): rows in chunks of kMc so a chunk of x stays in L2 while the panels stream
   // past it; items are (row chunk, panel), consecutive items share the row chunk.
-  const int64_t mc = M > 2 * kMc ? kMc : M;
+  const int64_t mc = row_chunk(M, P, threads);
   const int64_t chunks = (M + mc - 1) / mc;
   parallel_for(pool, chunks * P, std::max<int64_t>(1, P / (4 * threads)), [=](int64_t item) {
     const int64_t t = item % P, m0 = (item / P) * mc, rows = std::min(mc, M - m0);
@@ -345,7 +357,7 @@ ffi::Error GemmBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, PanelsBF
   const uint32_t* wl = reinterpret_cast<const uint32_t*>(w.typed_data()) + li * P * K2 * kTile;
   float* yp = y->typed_data();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t mc = M > 2 * kMc ? kMc : M;
+  const int64_t mc = row_chunk(M, P, threads);
   const int64_t chunks = (M + mc - 1) / mc;
   parallel_for(pool, chunks * P, std::max<int64_t>(1, P / (4 * threads)), [=](int64_t item) {
     const int64_t t = item % P, m0 = (item / P) * mc, rows = std::min(mc, M - m0);

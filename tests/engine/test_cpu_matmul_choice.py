@@ -62,7 +62,12 @@ def _cases(dtype=jnp.float32, quantize="none", library=False, **kw):
 def test_cases_cover_every_matrix_and_class():
     cs = {c.weight: c for c in _cases()}
     assert set(cs) == set(llama.MATRICES)
-    assert cs["qkv"].points == (1, D, T) and cs["lm_head"].points == (1, D)     # the head: decode rows only
+    # decode rows 1 and D; prefill at a prompt-sized point between D and T (the power of two
+    # nearest their geometric mean) and at T; the head: decode rows only
+    assert cs["qkv"].points == (1, D, 16, T) and cs["lm_head"].points == (1, D)
+    cfg = LlamaConfig.from_hf(TINY)
+    assert C.cases(cfg, jnp.float32, "none", 16, 2048)[0].points == (1, 16, 256, 2048)
+    assert C.cases(cfg, jnp.float32, "none", 32, 64)[0].points == (1, 32, 64)     # no room for a middle point
     assert cs["qkv"].k_dims == (64,) and cs["qkv"].out_dims == (2, 4, 16) and cs["o"].k_dims == (2, 2, 16)
     assert cs["down"].k == 128 and cs["gate_up"].n == 256 and cs["lm_head"].n == 512
     q = {c.weight: c for c in _cases(quantize="int8", tie_word_embeddings=True)}
