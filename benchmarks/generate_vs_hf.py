@@ -26,6 +26,9 @@ Rows and their peers (every ratio names the peer's dtype):
                                          (--llamacpp-half forces one; both 2 bytes per weight)
   int8      engine int8 weight-only   vs transformers float32 (torch has no weight-only int8 here),
                                          llama.cpp Q8_0
+  bfloat16+int8  engine bfloat16 model with int8 weight-only (bfloat16 activations: the kernel's
+                 K-pair int8 path) vs transformers bfloat16, llama.cpp Q8_0 (whose activations
+                 are int8 blocks: the engine's bfloat16 ones are at least as precise)
 Each round runs every side once, one after the other (xlaserve, llama.cpp, transformers static,
 transformers dynamic), the first side rotating from round to round; figures are medians.
 On CPU the engine keeps the KV cache in float32 whatever the weight dtype (backend.kv_dtype);
@@ -97,7 +100,7 @@ TOKENIZER_VOCAB = 512
 # the sampled-decode row's parameters (the issue's)
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 50}
 # which peer dtype each engine row is compared with
-PEER_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}
+PEER_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32", "bfloat16+int8": "bfloat16"}
 
 
 def cache_root() -> str:
@@ -322,7 +325,7 @@ def prefill_flops(cfg: dict, batch: int, T: int) -> float:
 def compute_probe(dtype: str) -> str:
     """Which matmul probe bounds a row: bf16 for bfloat16 weights, fp32 otherwise (int8 weights
     are dequantized into float32 arithmetic)."""
-    return "torch_matmul_bf16_gflops" if dtype == "bfloat16" else "torch_matmul_fp32_gflops"
+    return "torch_matmul_bf16_gflops" if dtype in ("bfloat16", "bfloat16+int8") else "torch_matmul_fp32_gflops"
 
 
 def roofline(cfg: dict, weight_bytes: int, kv_itemsize: int, batch: int, prompt: int, new: int,
@@ -367,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=None, help="rounds per comparison (default 3; quick 1)")
     ap.add_argument("--retries", type=int, default=None, help="extra rounds when a round was disturbed (default 2)")
     ap.add_argument("--dtypes", default=None,
-                    help="engine rows, int8 = float32 + int8 weights (default float32,bfloat16,int8; quick float32)")
+                    help="engine rows, int8 = float32 + int8 weights, bfloat16+int8 = bfloat16 + int8 weights "
+                         "(default float32,bfloat16,int8,bfloat16+int8; quick float32)")
     ap.add_argument("--batches", default=None, help="batch sizes (default 1,16; quick 1,4)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128; quick 64")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128; quick 32")
@@ -397,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "bandwidth_gib": a.bandwidth_gib or (0.5 if quick else 2.0), "probe_repeats": 3 if quick else 5,
         "peers": [p.strip() for p in a.peers.split(",") if p.strip()],
     }
-    dtypes = [d.strip() for d in (a.dtypes or ("float32" if quick else "float32,bfloat16,int8")).split(",") if d.strip()]
+    dtypes = [d.strip() for d in (a.dtypes or ("float32" if quick else "float32,bfloat16,int8,bfloat16+int8")).split(",") if d.strip()]
 
     doc = C.header(NAME, quick, sys.argv[1:] if argv is None else argv)
     doc["quiet_wait"] = C.wait_for_quiet(0 if quick else 60)
@@ -538,8 +542,8 @@ def measure_row(path: str, dtype: str, peer: Peer, run: dict, vocab: int,
     """Alternating rounds engine / llama.cpp / transformers for one engine dtype at every batch size.
 
     `llama` is the llama.cpp peer with this row's GGUF (`llama_type`) already loaded and warmed."""
-    quant = "int8" if dtype == "int8" else "none"
-    eng_dtype = "float32" if dtype == "int8" else dtype
+    quant = "int8" if dtype in ("int8", "bfloat16+int8") else "none"
+    eng_dtype = {"int8": "float32", "bfloat16+int8": "bfloat16"}.get(dtype, dtype)
     peer_dtype = PEER_DTYPE[dtype]
     C.log(f"loading + warming the engine ({dtype}) ...")
     gc.collect()

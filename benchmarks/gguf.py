@@ -60,7 +60,7 @@ def llama_type(dtype: str, flags: set[str] | None = None, half: str = "auto") ->
     `half` forces the 2-byte type ('BF16' or 'F16'); 'auto' picks BF16 where the CPU has avx512_bf16."""
     if dtype == "float32":
         return "F32"
-    if dtype == "int8":
+    if dtype in ("int8", "bfloat16+int8"):
         return "Q8_0"
     if dtype == "bfloat16":
         if half.upper() in ("BF16", "F16"):

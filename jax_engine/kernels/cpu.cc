@@ -49,6 +49,7 @@ using Out4 = ffi::ResultBuffer<ffi::F32, 4>;
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));   // unaligned, aliases float
+typedef int v16i __attribute__((vector_size(64)));
 
 // Plain vector loads and stores, not memcpy: with Intel tuning (-march=native on Skylake-X / Ice
 // Lake / Sapphire Rapids is prefer-vector-width=256) GCC 12 expands a 64-byte memcpy into two
@@ -263,11 +264,44 @@ ffi::Error GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsI8 w,
 // is exact in float32 and is accumulated in float32, as XLA's dot with a float32 result type
 // (vdpbf16ps flushes denormal inputs, which no trained weight is). Measured on this host (Zen 4,
 // 2 vCPU), 768 x 2048 per layer, ms, float-widening kernel -> pair kernel: see choose.py.
+//
+// Weight-only int8 in a bfloat16 model takes the same layout with int8 elements ([L, P, K/2, 128]
+// int8, per-column scale [L, 64 P] applied after the K loop): an int8 value is exact in bfloat16,
+// so each 32 weights widen (two sign extensions, two int-to-float converts, one pack to bfloat16)
+// into exactly the operand the bfloat16 weights load, at a quarter of float32's weight bytes.
 typedef unsigned v16ui __attribute__((vector_size(64)));
 typedef unsigned v16uiu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef int16_t v16su __attribute__((vector_size(32), aligned(1), may_alias));
 
-template <int MR>
-inline void micro_pairs(const uint32_t* x, int64_t K2, const uint32_t* panel, float* y, int64_t ldy, int64_t m0,
+// Elements of one K pair's 64 columns in the weight's own type (uint32_t: a bfloat16 pair).
+template <typename W> constexpr int64_t kPairRow = std::is_same_v<W, int8_t> ? 2 * kTile : kTile;
+
+#ifdef __AVX512BF16__
+// 16 columns' bfloat16 pairs of one K pair (columns 16 v .. 16 v + 15)
+inline __m512bh pairs_bh(const uint32_t* row, int v) { return (__m512bh)_mm512_loadu_si512(row + 16 * v); }
+inline __m512bh pairs_bh(const int8_t* row, int v) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * v));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));        // elements 0..15
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));   // 16..31
+  return _mm512_cvtne2ps_pbh(hi, lo);   // lo in the low half: memory order kept
+}
+#else
+// The same 16 columns as two float vectors: even K row (lo) and odd K row (hi).
+inline void pairs_f32(const uint32_t* row, int v, v16& lo, v16& hi) {
+  const v16ui w = *reinterpret_cast<const v16uiu*>(row + 16 * v);
+  lo = reinterpret_cast<v16>(w << 16);
+  hi = reinterpret_cast<v16>(w & 0xFFFF0000u);
+}
+inline void pairs_f32(const int8_t* row, int v, v16& lo, v16& hi) {
+  const v16i w = __builtin_convertvector(*reinterpret_cast<const v16su*>(row + 32 * v), v16i);   // b0 | b1 << 8
+  lo = __builtin_convertvector((w << 24) >> 24, v16);
+  hi = __builtin_convertvector(w >> 8, v16);
+}
+#endif
+
+template <int MR, typename W>
+inline void micro_pairs(const uint32_t* x, int64_t K2, const W* panel, float* y, int64_t ldy, int64_t m0,
                         int64_t kn2, bool first) {
   const uint32_t* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * K2;
@@ -277,9 +311,9 @@ inline void micro_pairs(const uint32_t* x, int64_t K2, const uint32_t* panel, fl
     for (int v = 0; v < kVec; ++v)
       acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (m0 + m) * ldy + 16 * v);
   for (int64_t j = 0; j < kn2; ++j) {
-    const uint32_t* row = panel + j * kTile;
+    const W* row = panel + j * kPairRow<W>;
     __m512bh wv[kVec];
-    for (int v = 0; v < kVec; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(row + 16 * v);
+    for (int v = 0; v < kVec; ++v) wv[v] = pairs_bh(row, v);
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[m][j]));
       for (int v = 0; v < kVec; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wv[v], xv);
@@ -292,13 +326,9 @@ inline void micro_pairs(const uint32_t* x, int64_t K2, const uint32_t* panel, fl
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVec; ++v) acc[m][v] = first ? v16{} : load16(y + (m0 + m) * ldy + 16 * v);
   for (int64_t j = 0; j < kn2; ++j) {
-    const uint32_t* row = panel + j * kTile;
+    const W* row = panel + j * kPairRow<W>;
     v16 lo[kVec], hi[kVec];
-    for (int v = 0; v < kVec; ++v) {
-      const v16ui w = *reinterpret_cast<const v16uiu*>(row + 16 * v);
-      lo[v] = reinterpret_cast<v16>(w << 16);
-      hi[v] = reinterpret_cast<v16>(w & 0xFFFF0000u);
-    }
+    for (int v = 0; v < kVec; ++v) pairs_f32(row, v, lo[v], hi[v]);
     for (int m = 0; m < MR; ++m) {
       const uint32_t p = xr[m][j];
       const uint32_t lb = p << 16, hb = p & 0xFFFF0000u;
@@ -313,65 +343,112 @@ inline void micro_pairs(const uint32_t* x, int64_t K2, const uint32_t* panel, fl
 #endif
 }
 
-inline void micro_pairs_rows(int64_t rows, const uint32_t* x, int64_t K2, const uint32_t* panel, float* y,
+template <typename W>
+inline void micro_pairs_rows(int64_t rows, const uint32_t* x, int64_t K2, const W* panel, float* y,
                              int64_t ldy, int64_t m0, int64_t kn2, bool first) {
   switch (rows) {
-    case 6: micro_pairs<6>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    case 5: micro_pairs<5>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    case 4: micro_pairs<4>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    case 3: micro_pairs<3>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    case 2: micro_pairs<2>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    default: micro_pairs<1>(x, K2, panel, y, ldy, m0, kn2, first); break;
+    case 6: micro_pairs<6, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
+    case 5: micro_pairs<5, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
+    case 4: micro_pairs<4, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
+    case 3: micro_pairs<3, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
+    case 2: micro_pairs<2, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
+    default: micro_pairs<1, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
   }
 }
 
 constexpr int64_t kKc2 = 64;   // K pairs per pass: 64 x 64 columns x 4 bytes = 16 KiB of panel in L1
 
-// One panel (64 output columns) of the pair layout for all M rows into out (row stride ldo).
-inline void do_panel_pairs(const uint32_t* x, const uint32_t* panel, float* out, int64_t ldo, int64_t M, int64_t K2) {
+// One panel (64 output columns) of the pair layout for all M rows into out (row stride ldo);
+// scale (64 floats, int8 weights; null for bfloat16) multiplies each output column at the end.
+template <typename W>
+inline void do_panel_pairs(const uint32_t* x, const W* panel, const float* scale, float* out, int64_t ldo,
+                           int64_t M, int64_t K2) {
   if (M <= 6) {   // decode: one pass over the panel, the accumulators never leave the registers
-    micro_pairs_rows(M, x, K2, panel, out, ldo, 0, K2, true);
-    return;
+    micro_pairs_rows<W>(M, x, K2, panel, out, ldo, 0, K2, true);
+  } else {
+    alignas(64) uint32_t buf[std::is_same_v<W, int8_t> ? kKc2 * kTile : 1];
+    for (int64_t k0 = 0; k0 < K2; k0 += kKc2) {
+      const int64_t kn2 = std::min(kKc2, K2 - k0);
+      const uint32_t* chunk;
+      if constexpr (std::is_same_v<W, int8_t>) {   // widen the int8 chunk once for every block of rows
+        const int8_t* src = panel + k0 * kPairRow<W>;
+        for (int64_t j = 0; j < kn2; ++j)
+          for (int v = 0; v < kVec; ++v) {
+#ifdef __AVX512BF16__
+            _mm512_store_si512(buf + j * kTile + 16 * v, (__m512i)pairs_bh(src + j * kPairRow<W>, v));
+#else
+            v16 lo, hi;
+            pairs_f32(src + j * kPairRow<W>, v, lo, hi);
+            *reinterpret_cast<v16ui*>(buf + j * kTile + 16 * v) =
+                (reinterpret_cast<v16ui>(lo) >> 16) | (reinterpret_cast<v16ui>(hi) & 0xFFFF0000u);
+#endif
+          }
+        chunk = buf;
+      } else {
+        chunk = panel + k0 * kTile;
+      }
+      for (int64_t m = 0; m < M; m += 6)
+        micro_pairs_rows<uint32_t>(std::min<int64_t>(6, M - m), x + k0, K2, chunk, out, ldo, m, kn2, k0 == 0);
+    }
   }
-  for (int64_t k0 = 0; k0 < K2; k0 += kKc2) {
-    const int64_t kn2 = std::min(kKc2, K2 - k0);
-    for (int64_t m = 0; m < M; m += 6)
-      micro_pairs_rows(std::min<int64_t>(6, M - m), x + k0, K2, panel + k0 * kTile, out, ldo, m, kn2, k0 == 0);
+  if (scale != nullptr) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int v = 0; v < kVec; ++v) store16(out + m * ldo + 16 * v, load16(out + m * ldo + 16 * v) * load16(scale + 16 * v));
   }
 }
 
-ffi::Error GemmBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, PanelsBF16 w,
-                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+template <typename W>
+ffi::Error gemm_pairs(ffi::ThreadPool& pool, const ffi::Buffer<ffi::BF16>& x, const W* wp, int64_t L, int64_t P,
+                      int64_t K2, const float* sp, const ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2 || wd[3] != 2 * kTile)
-    return ffi::Error::InvalidArgument("xlaserve_gemm_bf16: x must be [M, K], w [L, P, K / 2, 128], y [M, N]");
-  const int64_t M = xd[0], K = xd[1], L = wd[0], P = wd[1], K2 = wd[2], N = yd[1];
+  if (xd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("xlaserve_gemm pairs: x must be [M, K], w [L, P, K / 2, 128], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
   if (K != 2 * K2 || yd[0] != M || N > P * kTile || N <= (P - 1) * kTile)
-    return ffi::Error::InvalidArgument("xlaserve_gemm_bf16: operand shapes do not agree (K must be even)");
+    return ffi::Error::InvalidArgument("xlaserve_gemm pairs: operand shapes do not agree (K must be even)");
   const int64_t li = layer.typed_data()[0];
-  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm_bf16: layer index out of range");
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm pairs: layer index out of range");
   if (M == 0) return ffi::Error::Success();
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.typed_data());
-  const uint32_t* wl = reinterpret_cast<const uint32_t*>(w.typed_data()) + li * P * K2 * kTile;
+  const W* wl = wp + li * P * K2 * kPairRow<W>;
+  const float* sl = sp ? sp + li * P * kTile : nullptr;
   float* yp = y->typed_data();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t mc = row_chunk(M, P, threads);
   const int64_t chunks = (M + mc - 1) / mc;
   parallel_for(pool, chunks * P, std::max<int64_t>(1, P / (4 * threads)), [=](int64_t item) {
     const int64_t t = item % P, m0 = (item / P) * mc, rows = std::min(mc, M - m0);
-    const uint32_t* panel = wl + t * K2 * kTile;
+    const W* panel = wl + t * K2 * kPairRow<W>;
+    const float* sc = sl ? sl + t * kTile : nullptr;
     const uint32_t* xr = xp + m0 * K2;
     float* yr = yp + m0 * N;
     const int64_t n0 = t * kTile;
-    if (n0 + kTile <= N) { do_panel_pairs(xr, panel, yr + n0, N, rows, K2); return; }
+    if (n0 + kTile <= N) { do_panel_pairs<W>(xr, panel, sc, yr + n0, N, rows, K2); return; }
     std::vector<float> scratch(rows * kTile);
-    do_panel_pairs(xr, panel, scratch.data(), kTile, rows, K2);
+    do_panel_pairs<W>(xr, panel, sc, scratch.data(), kTile, rows, K2);
     for (int64_t m = 0; m < rows; ++m)
       std::memcpy(yr + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
   });
   return ffi::Error::Success();
+}
+
+ffi::Error GemmBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, PanelsBF16 w,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  if (wd[3] != 2 * kTile) return ffi::Error::InvalidArgument("xlaserve_gemm_bf16: w must be [L, P, K / 2, 128]");
+  return gemm_pairs<uint32_t>(pool, x, reinterpret_cast<const uint32_t*>(w.typed_data()), wd[0], wd[1], wd[2],
+                              nullptr, layer, y);
+}
+
+ffi::Error GemmI8BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, PanelsI8 w, Scales s,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  if (wd[3] != 2 * kTile) return ffi::Error::InvalidArgument("xlaserve_gemm_i8_bf16: w must be [L, P, K / 2, 128]");
+  if (s.dimensions()[0] != wd[0] || s.dimensions()[1] != wd[1] * kTile)
+    return ffi::Error::InvalidArgument("xlaserve_gemm_i8_bf16: scale must be [L, 64 P]");
+  return gemm_pairs<int8_t>(pool, x, reinterpret_cast<const int8_t*>(w.typed_data()), wd[0], wd[1], wd[2],
+                            s.typed_data(), layer, y);
 }
 
 // 2. XlaserveDecodeAttentionF32: one query token per row against its own pages of the KV cache.
@@ -379,7 +456,6 @@ ffi::Error GemmBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, PanelsBF
 // array per layer and runs tiny batched dots over it; this reads only the row's valid keys, in
 // place, once. Semantics equal jax_engine/attention/reference.py for Tq = 1: keys at positions
 // s <= pos, s < kv_len and (window > 0) s > pos - window; a row with no valid key gives zeros.
-typedef int v16i __attribute__((vector_size(64)));
 
 // Tree sum of the 16 lanes (4 shuffles + 4 adds instead of a 15-add chain).
 inline float hsum(v16 v) {
@@ -581,6 +657,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8, GemmI8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<PanelsI8>()
+                                  .Arg<Scales>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8BF16, GemmI8BF16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<PanelsI8>()
                                   .Arg<Scales>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

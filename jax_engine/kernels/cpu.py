@@ -38,6 +38,7 @@ PANEL = 64                       # output columns per panel (4 AVX-512 vectors);
 TARGET = "xlaserve_cpu_gemm_f32"
 I8_TARGET = "xlaserve_cpu_gemm_i8"
 BF16_TARGET = "xlaserve_cpu_gemm_bf16"
+I8_BF16_TARGET = "xlaserve_cpu_gemm_i8_bf16"
 ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
 BLAS_TARGET = "xlaserve_cpu_blas_gemm_f32"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
@@ -130,6 +131,7 @@ def available() -> bool:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveGemmF32), platform="cpu")
             jax.ffi.register_ffi_target(I8_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8), platform="cpu")
             jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBF16), platform="cpu")
+            jax.ffi.register_ffi_target(I8_BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8BF16), platform="cpu")
             jax.ffi.register_ffi_target(ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveDecodeAttentionF32), platform="cpu")
             jax.ffi.register_ffi_target(BLAS_TARGET, jax.ffi.pycapsule(lib.XlaserveBlasGemmF32), platform="cpu")
             _state.update(ok=True, reason="", lib=lib)
@@ -218,31 +220,34 @@ def num_panels(n: int) -> int:
     return -(-n // PANEL)
 
 
-def packed_shape(lead: tuple[int, ...], k: int, n: int, dtype: Any) -> tuple[int, ...]:
-    """Shape of `pack`'s panels for a [*lead, k, n] weight: [*lead, P, K, 64], or for bfloat16
-    [*lead, P, ceil(K / 2), 128] (contraction rows in interleaved pairs, cpu.cc's pair kernel)."""
-    if jnp.dtype(dtype) == jnp.bfloat16:
+def packed_shape(lead: tuple[int, ...], k: int, n: int, dtype: Any, pairs: bool = False) -> tuple[int, ...]:
+    """Shape of `pack`'s panels for a [*lead, k, n] weight: [*lead, P, K, 64], or in K pairs
+    [*lead, P, ceil(K / 2), 128] (cpu.cc's pair kernel) for bfloat16 weights and, with `pairs`
+    (a bfloat16 model), for int8 ones."""
+    if jnp.dtype(dtype) == jnp.bfloat16 or pairs:
         return lead + (num_panels(n), -(-k // 2), 2 * PANEL)
     return lead + (num_panels(n), k, PANEL)
 
 
-def pack(w: Any, k_dims: int, stacked: bool) -> Any:
+def pack(w: Any, k_dims: int, stacked: bool, pairs: bool = False) -> Any:
     """[L?, K..., N...] (k_dims contraction dims after the optional layer axis) -> [L, P, K, 64],
     the output axis zero-padded to whole panels; other floats become float32. bfloat16 stays
-    bfloat16 in pairs: [L, P, ceil(K / 2), 128], element [l, p, j, 2c + e] = w[l, 2j + e, 64p + c]
-    (K zero-padded to even). A weight-only int8 {"q", "s"} weight keeps int8 panels and gets its
-    per-column scale as [L, 64 P]."""
+    bfloat16 in K pairs: [L, P, ceil(K / 2), 128], element [l, p, j, 2c + e] = w[l, 2j + e, 64p + c]
+    (K zero-padded to even). A weight-only int8 {"q", "s"} weight keeps int8 panels (in K pairs
+    too with `pairs`: the weights of a bfloat16 model, whose activations the pair kernel takes as
+    they are) and gets its per-column scale as [L, 64 P]."""
     lead = 1 if stacked else 0
     q = w["q"] if isinstance(w, dict) else w
     L = q.shape[0] if stacked else 1
     K = math.prod(q.shape[lead:lead + k_dims])
     N = math.prod(q.shape[lead + k_dims:])
     P = num_panels(N)
+    in_pairs = q.dtype == jnp.bfloat16 or (pairs and q.dtype == jnp.int8)
 
     @jax.jit
     def _panels(a):
         a = a.reshape((L, K, N))
-        if a.dtype == jnp.bfloat16:
+        if in_pairs:
             k2 = -(-K // 2)
             a = jnp.pad(a, ((0, 0), (0, 2 * k2 - K), (0, P * PANEL - N)))
             return a.reshape(L, k2, 2, P, PANEL).transpose(0, 3, 1, 4, 2).reshape(L, P, k2, 2 * PANEL)
@@ -256,20 +261,28 @@ def pack(w: Any, k_dims: int, stacked: bool) -> Any:
     return {"q": _panels(q), "s": scale}
 
 
+def _pairs(w: Any) -> bool:
+    """Whether packed weights are in the K-pair layout (last axis 128)."""
+    return (w["q"] if isinstance(w, dict) else w).shape[-1] == 2 * PANEL
+
+
 def gemm(x: jax.Array, w: Any, layer: Any, n: int) -> jax.Array:
     """x [M, K] @ w[layer] (packed float32 or bfloat16, or int8 {"q", "s"}) -> [M, n] float32.
-    x is computed in float32 for float32 and int8 weights (as XLA's preferred_element_type) and
-    rounded to bfloat16 for bfloat16 weights (a bfloat16 model's activations already are)."""
+    x is computed in float32 for panels of 64 columns (float32, int8; as XLA's
+    preferred_element_type) and rounded to bfloat16 for the K-pair panels (bfloat16 weights and
+    a bfloat16 model's int8 ones: its activations already are bfloat16)."""
     _require()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     li = jnp.asarray(layer, jnp.int32).reshape(())
-    if isinstance(w, dict):
-        return jax.ffi.ffi_call(I8_TARGET, out)(x.astype(jnp.float32), w["q"], w["s"], li)
-    if w.dtype == jnp.bfloat16:
+    if _pairs(w):
         xb = x.astype(jnp.bfloat16)
         if xb.shape[1] % 2:                                   # the pair layout's zero row
             xb = jnp.pad(xb, ((0, 0), (0, 1)))
+        if isinstance(w, dict):
+            return jax.ffi.ffi_call(I8_BF16_TARGET, out)(xb, w["q"], w["s"], li)
         return jax.ffi.ffi_call(BF16_TARGET, out)(xb, w, li)
+    if isinstance(w, dict):
+        return jax.ffi.ffi_call(I8_TARGET, out)(x.astype(jnp.float32), w["q"], w["s"], li)
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w, li)
 
 
@@ -280,7 +293,7 @@ def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[
     K = math.prod(x.shape[x.ndim - k_dims:])
     n = math.prod(out_tail)
     q = w["q"] if isinstance(w, dict) else w
-    if tuple(q.shape[1:]) != packed_shape((), K, n, q.dtype):
+    if tuple(q.shape[1:]) != packed_shape((), K, n, q.dtype, pairs=_pairs(w)):
         raise ValueError(f"packed weight {q.shape} does not fit input {x.shape} -> {out_tail}")
     y = gemm(x.reshape(-1, K), w, layer, n)
     return y.reshape(lead + tuple(out_tail))
@@ -303,7 +316,7 @@ def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, page_table: jax
 def reference_gemm(x: np.ndarray, w_packed: Any, layer: int, n: int) -> np.ndarray:
     """NumPy meaning of `gemm` (for tests): unpack the layer's panels and multiply."""
     q = np.asarray(w_packed["q"] if isinstance(w_packed, dict) else w_packed)
-    if q.dtype == jnp.bfloat16:
+    if _pairs(w_packed):
         _, P, K2, _ = q.shape
         w = q[layer].reshape(P, K2, PANEL, 2).transpose(1, 3, 0, 2).reshape(2 * K2, P * PANEL)
         w = w[:np.shape(x)[-1], :n].astype(np.float32).astype(np.float64)

@@ -532,12 +532,14 @@ def pack_for_kernel(params: Params, cfg: LlamaConfig) -> Params:
         return params
     out = dict(params)
     out["layers"] = dict(params["layers"])
+    pairs = params["embed"].dtype == jnp.bfloat16         # bfloat16 activations: int8 in K pairs too
     for name in MATRICES:
         if "kernel" not in _layouts(cfg, name):
             continue
         if name == "lm_head":
             head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-            out[panels_key(cfg, name)] = cpu_kernels.pack(head, 1, stacked=False)
+            out[panels_key(cfg, name)] = cpu_kernels.pack(head, 1, stacked=False, pairs=pairs)
         else:
-            out["layers"][panels_key(cfg, name)] = cpu_kernels.pack(params["layers"][name], _K_DIMS[name], stacked=True)
+            out["layers"][panels_key(cfg, name)] = cpu_kernels.pack(params["layers"][name], _K_DIMS[name],
+                                                                   stacked=True, pairs=pairs)
     return out

@@ -86,6 +86,27 @@ def test_bfloat16_gemm_matches_numpy():
                 np.testing.assert_allclose(K.reference_gemm(xf, packed, li, N), want, rtol=1e-6, atol=1e-5)
 
 
+def test_int8_pairs_gemm_matches_numpy():
+    """int8 weights of a bfloat16 model (K-pair panels, bfloat16 activations, per-column scale):
+    every int8 value is exact in bfloat16, so against float64 NumPy only the summation order
+    differs. The same shapes as the bfloat16 test (odd K, several K passes, M past one tile)."""
+    rng = np.random.default_rng(13)
+    for L, K_, N, Ms in ((2, 80, 150, (1, 6, 9)), (1, 301, 64, (13, 400))):
+        q = rng.integers(-127, 128, (L, K_, N), dtype=np.int8)
+        s = (rng.random((L, N), dtype=np.float32) + 0.5) / 64
+        packed = K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True, pairs=True)
+        assert packed["q"].dtype == jnp.int8 and packed["q"].shape == K.packed_shape((L,), K_, N, jnp.int8, pairs=True)
+        assert int(packed["q"][L - 1, 0, 3, 2 * 5 + 1]) == q[L - 1, 7, 5]
+        for M in Ms:
+            x = jnp.asarray(rng.standard_normal((M, K_), dtype=np.float32)).astype(jnp.bfloat16)
+            xf = np.asarray(x.astype(jnp.float32)).astype(np.float64)
+            for li in range(L):
+                got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(x, packed))
+                want = xf @ (q[li].astype(np.float64) * s[li].astype(np.float64))
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+                np.testing.assert_allclose(K.reference_gemm(xf, packed, li, N), want, rtol=1e-6, atol=1e-5)
+
+
 def test_linear_keeps_structured_shapes():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((2, 4, 3, 8, 24), dtype=np.float32)            # [L, KVH, G, D, H], 3 contraction dims

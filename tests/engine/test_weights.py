@@ -63,6 +63,11 @@ def test_converted_checkpoints_load_and_match(src, tmp_path):
     # int8 through the CPU kernel (the default here) equals int8 through XLA's dot
     xla_i8 = _logits(i8, engine_kw=dict(cpu_matmul="xla", attention_backend="reference"))
     assert np.max(np.abs(xla_i8 - ours_i8)) < 1e-4
+    # int8 in a bfloat16 model: the kernel's K-pair int8 panels with bfloat16 activations vs XLA's dot
+    i8_bf16 = {m: _logits(path, dtype="bfloat16", quantize="int8", engine_kw=dict(cpu_matmul=m, attention_backend="reference"))
+               for m in ("xla", "kernel")}
+    assert np.max(np.abs(i8_bf16["kernel"] - i8_bf16["xla"])) < 0.02
+    assert np.max(np.abs(i8_bf16["kernel"] - ref)) < 0.05
     with open(os.path.join(i8, "xlaserve_checkpoint.json")) as f:
         assert json.load(f)["quantize"] == "int8"
     # the tokenizer and config travel with the checkpoint
