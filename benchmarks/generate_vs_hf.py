@@ -100,6 +100,7 @@ TOKENIZER_VOCAB = 512
 # the sampled-decode row's parameters (the issue's)
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 50}
 # which peer dtype each engine row is compared with
+DEFAULT_DTYPES = "float32,bfloat16,int8,bfloat16+int8"
 PEER_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32", "bfloat16+int8": "bfloat16"}
 
 
@@ -401,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "bandwidth_gib": a.bandwidth_gib or (0.5 if quick else 2.0), "probe_repeats": 3 if quick else 5,
         "peers": [p.strip() for p in a.peers.split(",") if p.strip()],
     }
-    dtypes = [d.strip() for d in (a.dtypes or ("float32" if quick else "float32,bfloat16,int8,bfloat16+int8")).split(",") if d.strip()]
+    dtypes = [d.strip() for d in (a.dtypes or ("float32" if quick else DEFAULT_DTYPES)).split(",") if d.strip()]
 
     doc = C.header(NAME, quick, sys.argv[1:] if argv is None else argv)
     doc["quiet_wait"] = C.wait_for_quiet(0 if quick else 60)
