@@ -298,7 +298,7 @@ class _EngineCollector:
         c_fam = {k: CounterMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in counters.items()}
         spec = _SpecFamilies()
         routes = GaugeMetricFamily("xlaserve_cpu_matmul_path",
-                                   "1 for the path (kernel or xla) serving each decoder matrix and row class",
+                                   "1 for the path (kernel or xla) serving each decoder or encoder matrix and row class",
                                    labels=["model", "weight", "shape_class", "path"])
         for info in list(e.models()):
             try:

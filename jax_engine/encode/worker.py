@@ -36,8 +36,9 @@ from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import AlreadyExists, EngineError, Internal, InvalidRequest, Overloaded, Unavailable
 from jax_engine.executor import backend
 from jax_engine.executor.compilation import ProgramCache, install_compile_listener
+from jax_engine.kernels import choose as cpu_matmul
 from jax_engine.models import bert
-from jax_engine.types import EmbedOutput, EmbedRequest, ModelInfo, ModelStats
+from jax_engine.types import EmbedOutput, EmbedRequest, MatmulRoute, ModelInfo, ModelStats
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,16 @@ class EmbedWorker:
             self.max_len, args.embed_max_batch_tokens, max_program_tokens=_program_token_cap(),
             attn_tokens=2 * self.cfg.hidden_size + self.cfg.intermediate_size,
             dispatch_tokens=DISPATCH_COST_TOKENS)
+        # --cpu-matmul: on CPU the layer matrices run on XLA's dot or the packed-panel kernel,
+        # chosen per matrix and row count by timing both at this encoder's program sizes
+        # (jax_engine/kernels/choose.py). MiniLM, float32, per layer here: at 32 rows the kernel
+        # took 0.07-0.42 ms against XLA's 0.14-0.84 (1.1-2.1x), at 64 rows they are level, at
+        # 1024 XLA is level or up to 1.25x faster, so small batches (batch-1 latency) gain most.
+        self.cfg.matmul_plan = cpu_matmul.configure_encoder(
+            args.cpu_matmul, backend.platform(), backend.DTYPE_NAMES[dtype], 1, bert.matrix_dims(self.cfg),
+            self.cfg.num_layers, [b * s for b, s in self.buckets.keys()])
+        self.num_params = bert.count_params(self.params)         # the checkpoint's, before any packed copy
+        self.params = bert.pack_for_kernel(self.params, self.cfg)
         self.programs = ProgramCache(f"embed:{spec.name}")
         self.programs.register("forward", jax.jit(self._forward))
         self.matryoshka_dims = _matryoshka_dimensions(spec.path, self.cfg) if self.cfg.task == "embed" else []
@@ -246,7 +257,7 @@ class EmbedWorker:
             name=self.spec.name, path=self.spec.path, tokenizer_path=self.spec.path,
             task=c.task, architecture=c.architecture, model_type=c.model_type, dtype=dtype,
             vocab_size=c.vocab_size, max_model_len=self.max_len,
-            num_params=bert.count_params(self.params),
+            num_params=self.num_params,
             eos_token_ids=[eos] if eos is not None else [], bos_token_id=bos, pad_token_id=pad,
             id2label=dict(c.id2label), hidden_size=c.hidden_size, embedding_dim=c.output_dim,
             matryoshka_dimensions=list(self.matryoshka_dims),
@@ -358,7 +369,14 @@ class EmbedWorker:
                 prefill_tokens_per_s=tps, total_prompt_tokens=self._total_tokens,
                 compilations_after_warmup=self.compilations_after_warmup,
                 max_running_requests=self.buckets.max_batch(self.buckets.seq_lens[0]),
+                matmul_routes=self._matmul_routes(),
             )
+
+    def _matmul_routes(self) -> list[MatmulRoute]:
+        plan = self.cfg.matmul_plan
+        if plan is None:
+            return [MatmulRoute("all", "all", "xla")]
+        return [MatmulRoute(r["weight"], r["shape_class"], r["path"]) for r in plan.summary()]
 
     def _waiting_count(self) -> int:
         return sum(1 for j in self._queue if j.next_input == 0)

@@ -142,6 +142,7 @@ class Case:
     tied: bool = False               # LM head = embed^T (XLA reads the [V, H] embedding)
     points: tuple[int, ...] = ()     # row counts to time
     blas: bool = False               # also time the library sgemm (at prefill points)
+    spec: str = ""                   # XLA's einsum for the matrix ("" = the decoder's, llama.SPECS)
 
     @property
     def k(self) -> int:
@@ -281,7 +282,7 @@ class _Point:
             kernel_fn = lambda x, w: cpu_kernels.linear(x, w, 0, 1, (n,))              # noqa: E731
             pk_lead: tuple[int, ...] = (1,)
         else:
-            spec, kd = llama.SPECS[case.weight], len(case.k_dims)
+            spec, kd = case.spec or llama.SPECS[case.weight], len(case.k_dims)
             rows = (m, 1) if self.shape_class == "decode" else (1, m)                  # [B, Tq] as the programs
             self.x = sds(rows + case.k_dims, dt)
             if case.int8:
@@ -456,6 +457,36 @@ def choose(cases_: list[Case], decode_rows: int, *, timer: Optional[Timer] = Non
     except OSError as e:
         log.warning("cpu matmul: could not cache the decision in %s: %s", path, e)
     return plan
+
+
+# --------------------------------------------------------------------------- encoders
+ENCODER_SPEC = "btk,kn->btn"      # an encoder matrix [L, K, N] on the [B, S, K] hidden states
+
+
+def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any, token_counts: list[int]) -> list[Case]:
+    """The matrices of an encoder ({name: (K, N)}, stacked over `layers`) timed at a few of its
+    programs' row counts (batch x sequence): the smallest, the largest (at most 4096) and the
+    power of two nearest their geometric mean. All are "prefill"-class points (decode_rows 0)."""
+    lo, hi = min(token_counts), min(max(token_counts), 4096)
+    pts = sorted({lo, hi, 2 ** round(math.log2(math.sqrt(lo * hi)))})
+    name = jnp.dtype(dtype).name
+    return [Case(w, (k,), (n,), layers, name, int8=False, points=tuple(pts), spec=ENCODER_SPEC)
+            for w, (k, n) in matrices.items()]
+
+
+def configure_encoder(choice: str, plat: str, dtype: Any, tp: int, matrices: dict[str, tuple[int, int]],
+                      layers: int, token_counts: list[int], *, timer: Optional[Timer] = None) -> Optional[MatmulPlan]:
+    """--cpu-matmul for an encoder's matrices: None = XLA's dot everywhere ("xla", or where the
+    kernel cannot run under "auto"); "kernel" a plan routing every matrix to it; "auto" measures
+    (as for decoders, cached the same way). "blas" is a decoder option: encoders take XLA's dot."""
+    if choice == "blas":
+        choice = "xla"
+    path = cpu_kernels.resolve(choice, plat, dtype, "none", tp)
+    if path == "xla":
+        return None
+    if choice == "kernel":
+        return MatmulPlan(routes=tuple((w, ((UNBOUNDED, "kernel"),)) for w in matrices), source="forced")
+    return choose(encoder_cases(matrices, layers, dtype, token_counts), 0, timer=timer)
 
 
 def configure(choice: str, cfg: Any, plat: str, dtype: Any, quantize: str, tp: int, *, decode_rows: int,

@@ -24,6 +24,8 @@ import numpy as np
 
 from jax_engine.checkpoint.hf import CheckpointError, CheckpointReader, read_config
 from jax_engine.executor import backend
+from jax_engine.kernels import cpu as cpu_kernels
+from jax_engine.kernels.plan import MatmulPlan
 from jax_engine.models.registry import ARCHITECTURES, architecture_of
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -58,6 +60,10 @@ class EncoderConfig:
     dtype: str = "float32"
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    # CPU: which path (XLA's dot or the packed-panel kernel, jax_engine/kernels/cpu.cc) multiplies
+    # each of MATRICES at each row count (batch x sequence); None = XLA's dot everywhere. Set by
+    # the encode worker from --cpu-matmul (jax_engine/kernels/choose.py: configure_encoder).
+    matmul_plan: Optional[MatmulPlan] = None
 
     @property
     def position_offset(self) -> int:
@@ -350,20 +356,58 @@ def embed_tokens(params: dict, c: EncoderConfig, input_ids: jax.Array, token_typ
     return _layer_norm(x, e["ln_scale"], e["ln_bias"], c.layer_norm_eps)
 
 
-def _encoder_layer(c: EncoderConfig, x: jax.Array, mask_bias: jax.Array, w: dict) -> jax.Array:
+MATRICES = ("qkv_w", "attn_out_w", "ffn_in_w", "ffn_out_w")
+
+
+def matrix_dims(c: EncoderConfig) -> dict[str, tuple[int, int]]:
+    """(K, N) of each layer matrix, [in, out] as stored."""
+    h, i = c.hidden_size, c.intermediate_size
+    return {"qkv_w": (h, 3 * h), "attn_out_w": (h, h), "ffn_in_w": (h, i), "ffn_out_w": (i, h)}
+
+
+def _paths(c: EncoderConfig, name: str) -> frozenset[str]:
+    return c.matmul_plan.layouts(name) if c.matmul_plan is not None else frozenset({"xla"})
+
+
+def pack_for_kernel(params: dict, c: EncoderConfig) -> dict:
+    """The matrices the plan routes to the CPU kernel get packed panels ("<name>_panels"); one only
+    the kernel serves loses its XLA layout. Unchanged without a plan."""
+    if c.matmul_plan is None:
+        return params
+    layers = dict(params["layers"])
+    for name in MATRICES:
+        paths = _paths(c, name)
+        if "kernel" in paths:
+            layers[name + "_panels"] = cpu_kernels.pack(layers[name], 1, stacked=True,
+                                                        pairs=layers[name].dtype == jnp.bfloat16)
+            if "xla" not in paths:
+                del layers[name]
+    return {**params, "layers": layers}
+
+
+def _matmul(c: EncoderConfig, x: jax.Array, w: dict, panels: dict, li: jax.Array, name: str) -> jax.Array:
+    """x [B, S, K] @ matrix `name` of layer li, by the path the plan names for B x S rows."""
+    m = x.shape[0] * x.shape[1]
+    if c.matmul_plan is not None and c.matmul_plan.path(name, m) == "kernel":
+        return cpu_kernels.linear(x, panels[name], li, 1, (matrix_dims(c)[name][1],)).astype(x.dtype)
+    return x @ w[name]
+
+
+def _encoder_layer(c: EncoderConfig, x: jax.Array, mask_bias: jax.Array, w: dict, panels: dict,
+                   li: jax.Array) -> jax.Array:
     """One post-LN block. x: [B, S, H] float32 residual stream; weights in the model dtype."""
-    dt = w["qkv_w"].dtype
+    dt = w["qkv_b"].dtype
     b, s, h = x.shape
-    qkv = x.astype(dt) @ w["qkv_w"] + w["qkv_b"]
+    qkv = _matmul(c, x.astype(dt), w, panels, li, "qkv_w") + w["qkv_b"]
     q, k, v = jnp.split(qkv.reshape(b, s, 3, c.num_heads, c.head_dim), 3, axis=2)
     q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(scores / np.sqrt(c.head_dim) + mask_bias, axis=-1)
     ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dt), v).reshape(b, s, h)
-    attn = ctx @ w["attn_out_w"] + w["attn_out_b"]
+    attn = _matmul(c, ctx, w, panels, li, "attn_out_w") + w["attn_out_b"]
     x = _layer_norm(x + attn.astype(jnp.float32), w["attn_ln_scale"], w["attn_ln_bias"], c.layer_norm_eps)
-    inner = _ACTIVATIONS[c.hidden_act](x.astype(dt) @ w["ffn_in_w"] + w["ffn_in_b"])
-    out = inner @ w["ffn_out_w"] + w["ffn_out_b"]
+    inner = _ACTIVATIONS[c.hidden_act](_matmul(c, x.astype(dt), w, panels, li, "ffn_in_w") + w["ffn_in_b"])
+    out = _matmul(c, inner, w, panels, li, "ffn_out_w") + w["ffn_out_b"]
     return _layer_norm(x + out.astype(jnp.float32), w["ffn_ln_scale"], w["ffn_ln_bias"], c.layer_norm_eps)
 
 
@@ -373,11 +417,16 @@ def encode(params: dict, c: EncoderConfig, input_ids: jax.Array, token_type_ids:
     x = embed_tokens(params, c, input_ids, token_type_ids)
     # Finite large negative (not -inf) so an all-padding row of a bucket stays NaN-free.
     mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+    # packed panels pass whole (the kernel takes the layer index), so the scan does not slice them
+    layers = params["layers"]
+    panels = {k[:-len("_panels")]: v for k, v in layers.items() if k.endswith("_panels")}
+    sliced = {k: v for k, v in layers.items() if not k.endswith("_panels")}
 
-    def body(x: jax.Array, w: dict) -> tuple[jax.Array, None]:
-        return _encoder_layer(c, x, mask_bias, w), None
+    def body(carry: tuple[jax.Array, jax.Array], w: dict) -> tuple[tuple[jax.Array, jax.Array], None]:
+        x, li = carry
+        return (_encoder_layer(c, x, mask_bias, w, panels, li), li + 1), None
 
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    (x, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), sliced)
     return x
 
 

@@ -145,6 +145,29 @@ def test_minilm_matches_sentence_transformers(minilm_worker, sentences, st_refer
     assert sum(r.prompt_tokens for r in results) == sum(counts)
 
 
+def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_worker, sentences, st_reference):
+    """The default worker (--cpu-matmul auto) ran on whatever path the timing chose; here the
+    packed-panel kernel is forced for every matrix at every program size: the same embeddings as
+    sentence-transformers, nothing compiled after warmup, and the route in the stats."""
+    assert minilm_worker.stats().matmul_routes                     # auto: the measured plan is reported
+    spec = ModelSpec(name="minilm-k", path=minilm_path, max_model_len=256)
+    w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256, cpu_matmul="kernel"))
+    assert w.cfg.matmul_plan.mode == "kernel" and "qkv_w_panels" in w.params["layers"]
+    assert "qkv_w" not in w.params["layers"]                       # kernel only: XLA's layout dropped
+    w.warmup(progress=False)
+    w.start()
+    try:
+        out = run(w, EmbedRequest("k", texts=sentences[:24]))
+        cos = cosine_rows(out.embeddings, st_reference[:24])
+        assert cos.min() >= 0.9999 and float(np.abs(out.embeddings - st_reference[:24]).max()) < 1e-4
+        one = run(w, EmbedRequest("k1", texts=sentences[:1]))           # a batch-1 program
+        assert float(np.abs(one.embeddings - st_reference[:1]).max()) < 1e-4
+        assert w.compilations_after_warmup == 0
+        assert [(r.weight, r.path) for r in w.stats().matmul_routes] == [(m, "kernel") for m in bert.MATRICES]
+    finally:
+        w.stop()
+
+
 def test_minilm_info(minilm_worker):
     info = minilm_worker.info
     assert (info.task, info.architecture, info.embedding_dim, info.max_model_len) == ("embed", "BertModel", 384, 256)
