@@ -55,8 +55,9 @@ def _by_platform(plat: str) -> str:
 
 
 def resolve(choice: Optional[str], cfg: Any, page_size: int, dtype: Any, tp: int = 1,
-            platform: Optional[str] = None) -> str:
-    """The concrete backend for an `--attention-backend` choice on this platform (start-up check)."""
+            platform: Optional[str] = None, ep: int = 1) -> str:
+    """The concrete backend for an `--attention-backend` choice on this platform (start-up check).
+    tp and ep: the replica's tensor- and expert-parallel sizes (a replica spans tp x ep devices)."""
     choice = choice or "auto"
     if choice not in CHOICES:
         raise InvalidRequest(f"attention backend {choice!r} is not one of {', '.join(CHOICES)}")
@@ -69,8 +70,9 @@ def resolve(choice: Optional[str], cfg: Any, page_size: int, dtype: Any, tp: int
         why = f"no Pallas attention kernel for platform {plat!r} (Pallas interpret mode is for tests only)"
     elif name == "reference":
         why = f"no attention kernel for platform {plat!r}"
-    elif tp > 1:
-        why = f"the attention kernels are not sharded for tensor parallelism yet (tp {tp})"
+    elif tp * ep > 1:
+        why = (f"the attention kernels are not sharded for tensor parallelism yet (tp {tp})" if ep == 1 else
+               f"the attention kernels are not sharded over a replica's devices yet (tp {tp} x ep {ep})")
     elif name != "cpu" and (getattr(cfg, "attn_softcap", 0.0) or getattr(cfg, "layer_windows", ())):
         why = "the Pallas kernels have no attention soft-capping or per-layer windows (Gemma)"
     else:

@@ -115,7 +115,7 @@ class GenerateWorker:
         self.max_model_len = min(spec.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = spec.page_size
         self.cfg = dataclasses.replace(self.cfg, attention_backend=attention.resolve(
-            args.attention_backend, self.cfg, self.page_size, self.dtype, tp * ep))   # jax_engine/attention
+            args.attention_backend, self.cfg, self.page_size, self.dtype, tp, ep=ep))   # jax_engine/attention
         self.cfg = cpu_matmul.configure(                                        # jax_engine/kernels/choose.py
             args.cpu_matmul, self.cfg, backend.platform(), self.dtype, quant, tp,
             decode_rows=spec.max_running_requests, prefill_tokens=spec.max_num_batched_tokens)

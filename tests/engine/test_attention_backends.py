@@ -352,6 +352,11 @@ def test_auto_picks_by_platform():
     for kw in (dict(platform="cpu"), dict(platform="gpu", tp=2)):
         with pytest.raises(InvalidRequest, match="pallas"):
             attention.resolve("pallas", cfg, 16, jnp.bfloat16, **kw)
+    with pytest.raises(InvalidRequest, match=r"tensor parallelism yet \(tp 2\)"):
+        attention.resolve("pallas", cfg, 16, jnp.bfloat16, platform="gpu", tp=2)
+    with pytest.raises(InvalidRequest, match=r"over a replica's devices yet \(tp 1 x ep 2\)"):   # experts only
+        attention.resolve("pallas", cfg, 16, jnp.bfloat16, platform="gpu", ep=2)
+    assert attention.resolve("auto", cfg, 16, jnp.bfloat16, platform="gpu", ep=2) == "reference"
     with pytest.raises(InvalidRequest):
         attention.resolve("triton", cfg, 16, jnp.bfloat16)
     # this machine is a CPU: auto means the C++ decode kernel for float32 (the reference's layout),
