@@ -213,14 +213,10 @@ class EmbedWorker:
             self.max_len, args.embed_max_batch_tokens, max_program_tokens=_program_token_cap(),
             attn_tokens=2 * self.cfg.hidden_size + self.cfg.intermediate_size,
             dispatch_tokens=DISPATCH_COST_TOKENS)
-        # --cpu-matmul: on CPU the layer matrices run on XLA's dot or the packed-panel kernel,
-        # chosen per matrix and row count by timing both at this encoder's program sizes
-        # (jax_engine/kernels/choose.py). MiniLM, float32, per layer here: at 32 rows the kernel
-        # took 0.07-0.42 ms against XLA's 0.14-0.84 (1.1-2.1x), at 64 rows they are level, at
-        # 1024 XLA is level or up to 1.25x faster, so small batches (batch-1 latency) gain most.
+        # --cpu-matmul kernel: the layer matrices on the packed-panel kernel; otherwise XLA's dot
+        # (why `auto` does not time encoders: jax_engine/kernels/choose.py, configure_encoder)
         self.cfg.matmul_plan = cpu_matmul.configure_encoder(
-            args.cpu_matmul, backend.platform(), backend.DTYPE_NAMES[dtype], 1, bert.matrix_dims(self.cfg),
-            self.cfg.num_layers, [b * s for b, s in self.buckets.keys()])
+            args.cpu_matmul, backend.platform(), backend.DTYPE_NAMES[dtype], 1, bert.matrix_dims(self.cfg))
         self.num_params = bert.count_params(self.params)         # the checkpoint's, before any packed copy
         self.params = bert.pack_for_kernel(self.params, self.cfg)
         self.programs = ProgramCache(f"embed:{spec.name}")

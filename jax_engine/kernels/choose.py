@@ -142,7 +142,6 @@ class Case:
     tied: bool = False               # LM head = embed^T (XLA reads the [V, H] embedding)
     points: tuple[int, ...] = ()     # row counts to time
     blas: bool = False               # also time the library sgemm (at prefill points)
-    spec: str = ""                   # XLA's einsum for the matrix ("" = the decoder's, llama.SPECS)
 
     @property
     def k(self) -> int:
@@ -282,7 +281,7 @@ class _Point:
             kernel_fn = lambda x, w: cpu_kernels.linear(x, w, 0, 1, (n,))              # noqa: E731
             pk_lead: tuple[int, ...] = (1,)
         else:
-            spec, kd = case.spec or llama.SPECS[case.weight], len(case.k_dims)
+            spec, kd = llama.SPECS[case.weight], len(case.k_dims)
             rows = (m, 1) if self.shape_class == "decode" else (1, m)                  # [B, Tq] as the programs
             self.x = sds(rows + case.k_dims, dt)
             if case.int8:
@@ -460,33 +459,21 @@ def choose(cases_: list[Case], decode_rows: int, *, timer: Optional[Timer] = Non
 
 
 # --------------------------------------------------------------------------- encoders
-ENCODER_SPEC = "btk,kn->btn"      # an encoder matrix [L, K, N] on the [B, S, K] hidden states
+def configure_encoder(choice: str, plat: str, dtype: Any, tp: int, matrices: dict[str, tuple[int, int]]
+                      ) -> Optional[MatmulPlan]:
+    """--cpu-matmul for an encoder's layer matrices: "kernel" routes every one to the packed-panel
+    kernel (an error where it cannot run, as for decoders); anything else keeps XLA's dot (None).
 
-
-def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any, token_counts: list[int]) -> list[Case]:
-    """The matrices of an encoder ({name: (K, N)}, stacked over `layers`) timed at a few of its
-    programs' row counts (batch x sequence): the smallest, the largest (at most 4096) and the
-    power of two nearest their geometric mean. All are "prefill"-class points (decode_rows 0)."""
-    lo, hi = min(token_counts), min(max(token_counts), 4096)
-    pts = sorted({lo, hi, 2 ** round(math.log2(math.sqrt(lo * hi)))})
-    name = jnp.dtype(dtype).name
-    return [Case(w, (k,), (n,), layers, name, int8=False, points=tuple(pts), spec=ENCODER_SPEC)
-            for w, (k, n) in matrices.items()]
-
-
-def configure_encoder(choice: str, plat: str, dtype: Any, tp: int, matrices: dict[str, tuple[int, int]],
-                      layers: int, token_counts: list[int], *, timer: Optional[Timer] = None) -> Optional[MatmulPlan]:
-    """--cpu-matmul for an encoder's matrices: None = XLA's dot everywhere ("xla", or where the
-    kernel cannot run under "auto"); "kernel" a plan routing every matrix to it; "auto" measures
-    (as for decoders, cached the same way). "blas" is a decoder option: encoders take XLA's dot."""
-    if choice == "blas":
-        choice = "xla"
-    path = cpu_kernels.resolve(choice, plat, dtype, "none", tp)
-    if path == "xla":
+    Why `auto` does not time encoders: measured here (all-MiniLM-L6-v2, float32, per layer), the
+    kernel wins small programs (16 rows: 0.05-0.26 ms against XLA's 0.15-0.65) and XLA large ones
+    (2048 rows: 7-12%), and routing by those timings made the batch-1 program of 32 tokens 8.6 ->
+    7.2 ms; but timing them at start (and building the kernel before the encoder's programs can
+    compile) made a cold start of the default models 68.7 s instead of 50.9 s, against a 45 s
+    target. So encoders take XLA's dot unless `kernel` is asked for."""
+    if choice != "kernel":
         return None
-    if choice == "kernel":
-        return MatmulPlan(routes=tuple((w, ((UNBOUNDED, "kernel"),)) for w in matrices), source="forced")
-    return choose(encoder_cases(matrices, layers, dtype, token_counts), 0, timer=timer)
+    cpu_kernels.resolve(choice, plat, dtype, "none", tp)          # raises where the kernel cannot run
+    return MatmulPlan(routes=tuple((w, ((UNBOUNDED, "kernel"),)) for w in matrices), source="forced")
 
 
 def configure(choice: str, cfg: Any, plat: str, dtype: Any, quantize: str, tp: int, *, decode_rows: int,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import choose as C
 from jax_engine.kernels import cpu as K
 from jax_engine.models import llama
@@ -270,24 +271,13 @@ def test_both_paths_agree_on_the_same_weights(mixed_engine):
     assert plan.path("lm_head", 1) == "kernel" and plan.path("lm_head", 3) == "xla"
 
 
-def test_encoder_matrices_take_the_faster_path_per_row_count(decisions):
-    """Encoders (--cpu-matmul auto): each layer matrix timed at the smallest, a middle and the
-    largest program size; a path made artificially slow loses where it is slow."""
+def test_encoder_matmul_choice():
+    """Encoders: `kernel` routes every layer matrix to the kernel (refused where it cannot run);
+    auto, xla and blas keep XLA's dot without timing anything (choose.configure_encoder says why)."""
     dims = {"qkv_w": (64, 192), "attn_out_w": (64, 64), "ffn_in_w": (64, 256), "ffn_out_w": (256, 64)}
-    cases = C.encoder_cases(dims, 2, jnp.float32, [16, 32, 512, 2048])
-    assert {c.points for c in cases} == {(16, 256, 2048)}          # 2 ** round(log2(sqrt(16 * 2048)))
-    # the kernel slow at 2048 rows only: it serves small programs, XLA large ones
-    timer = FakeTimer(lambda w, m: (1e-3, 3e-3) if m >= 2048 else (2e-3, 1e-3))
-    plan = C.configure_encoder("auto", "cpu", jnp.float32, 1, dims, 2, [16, 32, 512, 2048], timer=timer)
-    for w in dims:
-        assert plan.path(w, 16) == plan.path(w, 256) == "kernel" and plan.path(w, 2048) == "xla"
-        assert plan.layouts(w) == {"xla", "kernel"}
-    # made slow everywhere, the kernel is never chosen (no panels: one layout)
-    slow = FakeTimer(lambda w, m: (1e-3, 3e-3))
-    dims2 = {k: (k2 + 1, n) for k, (k2, n) in dims.items()}          # other shapes: not the cached decision
-    plan = C.configure_encoder("auto", "cpu", jnp.float32, 1, dims2, 2, [16, 2048], timer=slow)
-    assert plan.mode == "xla" and all(plan.layouts(w) == {"xla"} for w in dims2)
-    # forced paths time nothing
-    assert C.configure_encoder("xla", "cpu", jnp.float32, 1, dims, 2, [16]) is None
-    assert C.configure_encoder("kernel", "cpu", jnp.float32, 1, dims, 2, [16]).mode == "kernel"
-    assert C.configure_encoder("auto", "gpu", jnp.float32, 1, dims, 2, [16]) is None
+    plan = C.configure_encoder("kernel", "cpu", jnp.float32, 1, dims)
+    assert plan.mode == "kernel" and all(plan.path(w, m) == "kernel" for w in dims for m in (1, 10 ** 6))
+    for choice in ("auto", "xla", "blas"):
+        assert C.configure_encoder(choice, "cpu", jnp.float32, 1, dims) is None
+    with pytest.raises(InvalidRequest, match="--cpu-matmul kernel"):
+        C.configure_encoder("kernel", "gpu", jnp.float32, 1, dims)

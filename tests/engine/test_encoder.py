@@ -146,10 +146,10 @@ def test_minilm_matches_sentence_transformers(minilm_worker, sentences, st_refer
 
 
 def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_worker, sentences, st_reference):
-    """The default worker (--cpu-matmul auto) ran on whatever path the timing chose; here the
-    packed-panel kernel is forced for every matrix at every program size: the same embeddings as
-    sentence-transformers, nothing compiled after warmup, and the route in the stats."""
-    assert minilm_worker.stats().matmul_routes                     # auto: the measured plan is reported
+    """The default worker (--cpu-matmul auto) runs on XLA's dot; with `kernel` the packed-panel
+    kernel serves every matrix at every program size: the same embeddings as sentence-transformers,
+    nothing compiled after warmup, and the route in the stats."""
+    assert [(r.weight, r.path) for r in minilm_worker.stats().matmul_routes] == [("all", "xla")]
     spec = ModelSpec(name="minilm-k", path=minilm_path, max_model_len=256)
     w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256, cpu_matmul="kernel"))
     assert w.cfg.matmul_plan.mode == "kernel" and "qkv_w_panels" in w.params["layers"]
