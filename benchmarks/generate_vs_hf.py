@@ -101,6 +101,9 @@ TOKENIZER_VOCAB = 512
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 50}
 # which peer dtype each engine row is compared with
 DEFAULT_DTYPES = "float32,bfloat16,int8,bfloat16+int8"
+# a row's name -> (engine --dtype, --quantize)
+ENGINE_ROW = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
+              "bfloat16+int8": ("bfloat16", "int8")}
 PEER_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32", "bfloat16+int8": "bfloat16"}
 
 
@@ -326,7 +329,7 @@ def prefill_flops(cfg: dict, batch: int, T: int) -> float:
 def compute_probe(dtype: str) -> str:
     """Which matmul probe bounds a row: bf16 for bfloat16 weights, fp32 otherwise (int8 weights
     are dequantized into float32 arithmetic)."""
-    return "torch_matmul_bf16_gflops" if dtype in ("bfloat16", "bfloat16+int8") else "torch_matmul_fp32_gflops"
+    return "torch_matmul_bf16_gflops" if ENGINE_ROW[dtype][0] == "bfloat16" else "torch_matmul_fp32_gflops"
 
 
 def roofline(cfg: dict, weight_bytes: int, kv_itemsize: int, batch: int, prompt: int, new: int,
@@ -543,8 +546,7 @@ def measure_row(path: str, dtype: str, peer: Peer, run: dict, vocab: int,
     """Alternating rounds engine / llama.cpp / transformers for one engine dtype at every batch size.
 
     `llama` is the llama.cpp peer with this row's GGUF (`llama_type`) already loaded and warmed."""
-    quant = "int8" if dtype in ("int8", "bfloat16+int8") else "none"
-    eng_dtype = {"int8": "float32", "bfloat16+int8": "bfloat16"}.get(dtype, dtype)
+    eng_dtype, quant = ENGINE_ROW[dtype]
     peer_dtype = PEER_DTYPE[dtype]
     C.log(f"loading + warming the engine ({dtype}) ...")
     gc.collect()

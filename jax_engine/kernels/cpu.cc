@@ -127,6 +127,14 @@ inline void micro_rows(int64_t rows, const float* x, const W* panel, float* y, i
   }
 }
 
+// out[m, c] *= scale[c] for the M rows of one 64-column panel (int8 weights' per-column scale;
+// nothing for a null scale).
+inline void scale_columns(const float* scale, float* out, int64_t ldo, int64_t M) {
+  if (scale == nullptr) return;
+  for (int64_t m = 0; m < M; ++m)
+    for (int v = 0; v < kVec; ++v) store16(out + m * ldo + 16 * v, load16(out + m * ldo + 16 * v) * load16(scale + 16 * v));
+}
+
 // One panel (64 output columns) for all M rows into out (row stride ldo).
 // scale (64 floats, or null for float32 weights) multiplies each output column at the end.
 template <typename W>
@@ -153,10 +161,7 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     }
     for (int64_t m = 0; m < M; m += 6) micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first);
   }
-  if (scale != nullptr) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int v = 0; v < kVec; ++v) store16(out + m * ldo + 16 * v, load16(out + m * ldo + 16 * v) * load16(scale + 16 * v));
-  }
+  scale_columns(scale, out, ldo, M);
 }
 
 // Runs fn(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Items are claimed
@@ -191,6 +196,28 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, boo
   while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// y [M, N] = every (row chunk, panel) tile, each computed by tile(t, m0, rows, out, ldo) into
+// out (row stride ldo) on the calling thread and XLA's pool. Large M (prefill): rows in chunks of
+// kMc so a chunk of x stays in L2 while the panels stream past it (row_chunk); consecutive items
+// share the row chunk. The ragged last panel is computed whole into a scratch tile and N - 64 t
+// of its columns are kept.
+template <typename Tile>
+void for_each_panel(ffi::ThreadPool& pool, int64_t M, int64_t P, int64_t N, float* yp, Tile tile) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t mc = row_chunk(M, P, threads);
+  const int64_t chunks = (M + mc - 1) / mc;
+  parallel_for(pool, chunks * P, std::max<int64_t>(1, P / (4 * threads)), [=](int64_t item) {
+    const int64_t t = item % P, m0 = (item / P) * mc, rows = std::min(mc, M - m0);
+    float* yr = yp + m0 * N;
+    const int64_t n0 = t * kTile;
+    if (n0 + kTile <= N) { tile(t, m0, rows, yr + n0, N); return; }
+    std::vector<float> scratch(rows * kTile);
+    tile(t, m0, rows, scratch.data(), kTile);
+    for (int64_t m = 0; m < rows; ++m)
+      std::memcpy(yr + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
+  });
+}
+
 // x [M, K]; w [L, P, K, 64] (P panels of 64 columns, the last zero-padded); layer [] int32;
 // y [M, N] with 64 (P - 1) < N <= 64 P; int8 weights also take scale [L, 64 P] per column.
 template <typename W>
@@ -200,23 +227,8 @@ ffi::Error gemm(ffi::ThreadPool& pool, const float* xp, const W* wp, const float
   if (M == 0) return ffi::Error::Success();
   const W* wl = wp + li * P * K * kTile;
   const float* sl = sp ? sp + li * P * kTile : nullptr;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  // Large M (prefill): rows in chunks of kMc so a chunk of x stays in L2 while the panels stream
-  // past it; items are (row chunk, panel), consecutive items share the row chunk.
-  const int64_t mc = row_chunk(M, P, threads);
-  const int64_t chunks = (M + mc - 1) / mc;
-  parallel_for(pool, chunks * P, std::max<int64_t>(1, P / (4 * threads)), [=](int64_t item) {
-    const int64_t t = item % P, m0 = (item / P) * mc, rows = std::min(mc, M - m0);
-    const W* panel = wl + t * K * kTile;
-    const float* sc = sl ? sl + t * kTile : nullptr;
-    const float* xr = xp + m0 * K;
-    float* yr = yp + m0 * N;
-    const int64_t n0 = t * kTile;
-    if (n0 + kTile <= N) { do_panel(xr, panel, sc, yr + n0, N, rows, K); return; }
-    std::vector<float> scratch(rows * kTile);   // the ragged last panel: compute 64 columns, keep N - n0
-    do_panel(xr, panel, sc, scratch.data(), kTile, rows, K);
-    for (int64_t m = 0; m < rows; ++m)
-      std::memcpy(yr + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
+  for_each_panel(pool, M, P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
+    do_panel(xp + m0 * K, wl + t * K * kTile, sl ? sl + t * kTile : nullptr, out, ldo, rows, K);
   });
   return ffi::Error::Success();
 }
@@ -391,10 +403,7 @@ inline void do_panel_pairs(const uint32_t* x, const W* panel, const float* scale
         micro_pairs_rows<uint32_t>(std::min<int64_t>(6, M - m), x + k0, K2, chunk, out, ldo, m, kn2, k0 == 0);
     }
   }
-  if (scale != nullptr) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int v = 0; v < kVec; ++v) store16(out + m * ldo + 16 * v, load16(out + m * ldo + 16 * v) * load16(scale + 16 * v));
-  }
+  scale_columns(scale, out, ldo, M);
 }
 
 template <typename W>
@@ -414,21 +423,8 @@ ffi::Error gemm_pairs(ffi::ThreadPool& pool, const ffi::Buffer<ffi::BF16>& x, co
   const W* wl = wp + li * P * K2 * kPairRow<W>;
   const float* sl = sp ? sp + li * P * kTile : nullptr;
   float* yp = y->typed_data();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t mc = row_chunk(M, P, threads);
-  const int64_t chunks = (M + mc - 1) / mc;
-  parallel_for(pool, chunks * P, std::max<int64_t>(1, P / (4 * threads)), [=](int64_t item) {
-    const int64_t t = item % P, m0 = (item / P) * mc, rows = std::min(mc, M - m0);
-    const W* panel = wl + t * K2 * kPairRow<W>;
-    const float* sc = sl ? sl + t * kTile : nullptr;
-    const uint32_t* xr = xp + m0 * K2;
-    float* yr = yp + m0 * N;
-    const int64_t n0 = t * kTile;
-    if (n0 + kTile <= N) { do_panel_pairs<W>(xr, panel, sc, yr + n0, N, rows, K2); return; }
-    std::vector<float> scratch(rows * kTile);
-    do_panel_pairs<W>(xr, panel, sc, scratch.data(), kTile, rows, K2);
-    for (int64_t m = 0; m < rows; ++m)
-      std::memcpy(yr + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
+  for_each_panel(pool, M, P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
+    do_panel_pairs<W>(xp + m0 * K2, wl + t * K2 * kPairRow<W>, sl ? sl + t * kTile : nullptr, out, ldo, rows, K2);
   });
   return ffi::Error::Success();
 }
