@@ -193,13 +193,16 @@ class EngineSide:
         layout that serves that many rows), and in all."""
         import jax
 
-        runner = self.runner()
-        params = runner.params
-        total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-        embed = sum(x.nbytes for x in jax.tree_util.tree_leaves(params.get("embed", {})))
+        from jax_engine.models.decoder import linears
 
-        def nbytes(tree) -> int:
-            return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+        runner = self.runner()
+        model = runner.model()
+        total = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
+        embed = int(model.model.embed_tokens.weight[...].nbytes)
+        mats = linears(model)
+
+        def nbytes(*vs) -> int:
+            return sum(int(v[...].nbytes) for v in vs if v is not None)
 
         def unused(batch: int) -> int:
             plan = runner.cfg.matmul_plan
@@ -210,8 +213,8 @@ class EngineSide:
                 if len(plan.layouts(name)) < 2:
                     continue
                 path = next(p for max_m, p in routes if batch <= max_m)
-                home = params if name == "lm_head" else params["layers"]
-                skip += nbytes(home[name] if path == "kernel" else home[f"{name}_panels"])
+                lin = mats[name]
+                skip += nbytes(lin.weight, lin.scale) if path == "kernel" else nbytes(lin.panels, lin.panels_scale)
             return skip
 
         per_batch = {str(B): int(total - embed - unused(B)) for B in batches}

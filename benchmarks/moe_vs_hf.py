@@ -137,13 +137,13 @@ SLICED = "the layer scan's per-layer slice (XLA copies every expert of the layer
 
 
 def experts_call() -> str:
-    """How jax_engine/models/llama.py hands the experts to moe.moe_mlp in this tree (moe_dispatch.py's
+    """How jax_engine/models/decoder.py hands the experts to moe.moe_mlp in this tree (moe_dispatch.py's
     scan_slice / scan_stacked rows measure the difference)."""
     import inspect
 
-    from jax_engine.models import llama
+    from jax_engine.models import decoder
 
-    return STACKED if "layer=li" in inspect.getsource(llama.forward) else SLICED
+    return STACKED if "layer=li" in inspect.getsource(decoder.CausalLM.__call__) else SLICED
 
 
 def engine_side(cls, path: str, max_running: int, budget: int, max_model_len: int, pids: Sequence[int]):

@@ -10,9 +10,9 @@ Layers timed (each the median and minimum of many calls, context ~ prompt + new/
                           program -> fetch
   runner_host_args        ModelRunner._step_args() alone (numpy rows, sampling arrays, device_put)
   decode_program          the compiled step_greedy program alone (args prebuilt, state donated)
-  bare_forward            jit(llama.forward + lm_head + argmax) with the same StepInputs (no sampling)
+  bare_forward            jit(decoder module + logits + argmax) with the same StepInputs (no sampling)
   weights_gemv_chain      only the layer matmuls + lm_head on one token (reads every weight once),
-                          each matrix on the path (CPU kernel or XLA) llama.forward routes it to
+                          each matrix on the path (CPU kernel or XLA) the decoder routes it to
   kv_gather               only the per-layer gather of K and V through the page table (the
                           reference attention does it; the CPU decode kernel reads pages in place)
   sampling_tail           penalties + argmax + log-softmax/top-k + count update over the vocab
@@ -57,51 +57,28 @@ def greedy_row() -> SamplingRow:
     return SamplingRow(temperature=0.0)
 
 
-# the four layer matrices as llama.forward multiplies them: einsum spec (XLA path), the kernel
-# path's contraction-dims count
-SPECS = {"qkv": "bth,hkgd->btkgd", "o": "btkgd,kgdh->bth", "gate_up": "bth,hci->btci", "down": "bti,ih->bth"}
-K_DIMS = {"qkv": 1, "o": 3, "gate_up": 1, "down": 1}
-
-
-def matmul_route(llama, cfg, name: str, rows: int) -> tuple[str, str]:
-    """(path, params key) of one matrix as llama.forward routes it for `rows` rows; an engine
-    without per-matrix routing uses cfg.matmul for all of them, under the matrix's own name."""
-    if hasattr(llama, "matmul_path"):
-        return llama.matmul_path(cfg, name, rows), llama.panels_key(cfg, name)
-    return cfg.matmul, name
-
-
-def weights_chain(llama, cfg, params, x):
-    """Only the layer matmuls and the LM head on x [B, 1, H] (reads every weight once), routed
-    matrix by matrix the way llama.forward routes them (CPU kernel on packed panels, or XLA)."""
-    import jax
+def weights_chain(graphdef, params, x):
+    """Only the layer matmuls and the LM head on x [B, 1, H] (reads every weight once), each
+    matrix on the path the decoder module routes it to (CPU kernel on packed panels, or XLA)."""
     import jax.numpy as jnp
 
-    layers = params["layers"]
-    kvh = cfg.num_kv_heads * getattr(cfg, "kv_repeat", 1)
-    G, D = cfg.num_heads // kvh, cfg.head_dim
-    tails = {"qkv": (kvh, G + 2, D), "o": (cfg.hidden_size,), "gate_up": (2, cfg.intermediate_size),
-             "down": (cfg.hidden_size,)}
-    routes = {k: matmul_route(llama, cfg, k, x.shape[0] * x.shape[1]) for k in SPECS}
-    big = {k: layers[key] for k, (path, key) in routes.items() if path == "kernel"}
-    skip = set(big) | {f"{k}_panels" for k in SPECS}
-    xs = {k: v for k, v in layers.items() if k not in skip}
+    from jax_engine.models import decoder
 
-    def mm(name, lp, li, v):
-        if name in big:
-            from jax_engine.kernels import cpu as K
-            return K.linear(v, big[name], li, K_DIMS[name], tails[name]).astype(v.dtype)
-        return llama.linear(v, lp[name], SPECS[name])
+    m = decoder.merge(graphdef, params)
+    cfg = m.cfg
+    kvh = cfg.num_kv_heads * cfg.kv_repeat
+    G, D, rows = cfg.num_heads // kvh, cfg.head_dim, x.shape[0] * x.shape[1]
 
-    def layer(carry, lp):
+    def layer(carry, ly, _):
         x, li = carry
-        qkv = mm("qkv", lp, li, x)
-        x = x + mm("o", lp, li, qkv[..., :G, :])
-        gu = mm("gate_up", lp, li, x)
-        return (x + mm("down", lp, li, gu[..., 0, :] * gu[..., 1, :]), li + 1), None
+        mm = lambda lin, v, tail: decoder.matmul(cfg, lin, li, v, tail, rows)  # noqa: E731
+        qkv = mm(ly.self_attn.qkv_proj, x, (kvh, G + 2, D))
+        x = x + mm(ly.self_attn.o_proj, qkv[..., :G, :], (cfg.hidden_size,))
+        gu = mm(ly.mlp.gate_up_proj, x, (2, cfg.intermediate_size))
+        return x + mm(ly.mlp.down_proj, gu[..., 0, :] * gu[..., 1, :], (cfg.hidden_size,)), li + 1
 
-    (x, _), _ = jax.lax.scan(layer, (x, jnp.int32(0)), xs, length=cfg.num_layers)
-    return llama.lm_head(params, cfg, x[:, 0])
+    x, _ = decoder.scan_layers(m.model.layers, cfg, rows, layer, (x, jnp.int32(0)))
+    return m.logits(x[:, 0])
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -124,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import numpy as np
 
     from jax_engine.decode import sampling
-    from jax_engine.models import llama
+    from jax_engine.models import decoder
 
     doc = C.header(NAME, quick, sys.argv[1:] if argv is None else argv)
     doc["quiet_wait"] = C.wait_for_quiet(0 if quick else 60)
@@ -199,8 +176,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     table = inp.page_table[:B]                  # the B live rows' [B, page bucket] tables
 
     def fwd(params, k, v, inp, sample_idx):
-        h, k, v = llama.forward(params, cfg, k, v, inp, ps)
-        return jnp.argmax(llama.lm_head(params, cfg, h[sample_idx]), -1), k, v
+        model = decoder.merge(runner.graphdef, params)
+        h, k, v = model(k, v, inp, ps)
+        return jnp.argmax(model.logits(h[sample_idx]), -1), k, v
 
     fwd_j = jax.jit(fwd, donate_argnums=(1, 2))
 
@@ -213,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     res["bare_forward"] = bench(run_fwd, iters)
 
     def gemv_chain(params, x):
-        return weights_chain(llama, cfg, params, x)
+        return weights_chain(runner.graphdef, params, x)
 
     x0 = jnp.ones((B, 1, cfg.hidden_size), runner.dtype) * 0.01
     gemv_j = jax.jit(gemv_chain)

@@ -23,16 +23,16 @@ def convert(src: str, dst: str, dtype: str = "float32", quantize: str = "none", 
     from jax_engine.checkpoint.hf import CheckpointReader, read_config
     from jax_engine.executor.backend import resolve_dtype
     from jax_engine.models.llama import LlamaConfig
-    from jax_engine.models.llama_weights import load_hf_params
+    from jax_engine.models.llama_weights import load_hf_tensors
 
     t0 = time.time()
     cfg = LlamaConfig.from_hf(read_config(src))
     jdt = resolve_dtype(dtype)
     with jax.default_device(jax.devices("cpu")[0]):
         bar = tqdm(total=cfg.num_layers, desc="converting", unit="layer", disable=not progress)
-        params = load_hf_params(CheckpointReader(src), cfg, jdt, quantize, None, progress=bar.update)
+        tensors = load_hf_tensors(CheckpointReader(src), cfg, jdt, quantize, None, progress=bar.update)
         bar.close()
-    meta = write_converted(params, src, dst, jdt, quantize)
+    meta = write_converted(tensors, src, dst, jdt, quantize)
     meta["seconds"] = round(time.time() - t0, 3)
     return meta
 

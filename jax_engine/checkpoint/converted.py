@@ -1,7 +1,8 @@
 """The converted checkpoint format: the decoder's parameters already in the fused layout.
 
-One safetensors file holds one tensor per parameter kind, named by its flattened pytree path
-(`layout.flatten`), cast to the serving dtype and optionally int8-quantized; bfloat16 tensors are
+One safetensors file holds one tensor per parameter, named by its module path
+(jax_engine/models/decoder.py, layout.LAYOUT: "model.layers.self_attn.qkv_proj.weight"), cast
+to the serving dtype and optionally int8-quantized ("<path>.scale" beside); bfloat16 tensors are
 stored as their raw uint16 bits under "<name>@bf16" (safetensors' numpy API has no bfloat16).
 A marker file records the format, dtype and quantization. Loading is one read and one
 device_put per tensor. `weights_convert` writes it (`write_converted`); the engine reads it.
@@ -21,7 +22,7 @@ from jax_engine.checkpoint import layout
 from jax_engine.errors import InvalidRequest
 
 MARKER = "xlaserve_checkpoint.json"
-FORMAT = "xlaserve-llama-fused-v1"
+FORMAT = "xlaserve-llama-nnx-v2"          # v1 named tensors by the pre-nnx pytree paths
 WEIGHTS = "params.safetensors"
 _BF16 = "@bf16"
 
@@ -38,12 +39,12 @@ def converted_quantize(path: str) -> str:
         return str(json.load(f).get("quantize", "none"))
 
 
-def write_converted(params: dict, src: str, dst: str, dtype: Any, quantize: str) -> dict:
-    """Write device `params` (fused layout) to `dst` with `src`'s config and tokenizer files."""
+def write_converted(tensors: dict[str, Any], src: str, dst: str, dtype: Any, quantize: str) -> dict:
+    """Write device `tensors` (by module path) to `dst` with `src`'s config and tokenizer files."""
     from safetensors.numpy import save_file  # heavy: safetensors
 
     flat = {}
-    for name, arr in layout.flatten(params).items():
+    for name, arr in tensors.items():
         a = np.asarray(jax.device_get(arr))
         if a.dtype == jnp.bfloat16:
             flat[name + _BF16] = a.view(np.uint16)
@@ -61,14 +62,17 @@ def write_converted(params: dict, src: str, dst: str, dtype: Any, quantize: str)
     return meta
 
 
-def load_converted(path: str, cfg, dtype, quantize: str, mesh, progress: Optional[Callable[[int], None]] = None) -> dict:
-    """Device params from a converted checkpoint; dtype / quantization must match the file's."""
+def load_converted(path: str, cfg, dtype, quantize: str, mesh,
+                   progress: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
+    """Device tensors (by module path) from a converted checkpoint; dtype / quantization must
+    match the file's."""
     from safetensors import safe_open  # heavy: safetensors
 
     with open(os.path.join(path, MARKER)) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
-        raise InvalidRequest(f"{path}: unknown converted format {meta.get('format')!r}")
+        raise InvalidRequest(f"{path}: converted format {meta.get('format')!r} is not {FORMAT!r}; "
+                             "convert the model again with weights_convert")
     if quantize not in ("none", meta["quantize"]):
         raise InvalidRequest(f"{path} was converted with quantize={meta['quantize']}, asked for {quantize}")
     if jnp.dtype(dtype).name != meta["dtype"]:
@@ -82,22 +86,17 @@ def load_converted(path: str, cfg, dtype, quantize: str, mesh, progress: Optiona
             arrays[k] = a
     r = cfg.kv_repeat
     if r > 1:
-        if "layers/qkv.q" in arrays:
+        if layout.QKV[:-len(".weight")] + layout.SCALE in arrays:
             raise InvalidRequest("int8 converted checkpoints cannot be served with tp > KV heads; convert to float")
-        names = [n for n in ("qkv", "o", "qkv_b") if "layers/" + n in arrays]
-        layers = [layout.regroup_layer({n: arrays["layers/" + n][i] for n in names}, r) for i in range(cfg.num_layers)]
+        names = [n for n in (layout.QKV, layout.O, layout.QKV_BIAS) if n in arrays]
+        layers = [layout.regroup_layer({n: arrays[n][i] for n in names}, r) for i in range(cfg.num_layers)]
         for n in names:
-            arrays["layers/" + n] = np.stack([lay[n] for lay in layers])
-    params: dict = {"layers": {}}
+            arrays[n] = np.stack([lay[n] for lay in layers])
+    out: dict[str, Any] = {}
     for name, a in arrays.items():
-        kind, key, per_layer, part = layout.split_name(name)
-        node = params["layers"] if per_layer else params
-        sh = layout.scale_sharding_for(kind, mesh) if part == "s" else layout.sharding_for(kind, mesh)
-        dev = jax.device_put(a, sh)
-        if part:
-            node.setdefault(key, {})[part] = dev
-        else:
-            node[key] = dev
-        if progress and kind == "layers/down" and part in ("", "q"):
-            progress(cfg.num_layers)
-    return params
+        if layout.kind_of(name)[0] not in layout.LAYOUT:
+            raise InvalidRequest(f"{path}: unknown tensor {name!r} (written by another version?)")
+        out[name] = jax.device_put(a, layout.sharding_for(name, mesh))
+    if progress:
+        progress(cfg.num_layers)
+    return out

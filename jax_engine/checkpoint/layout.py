@@ -1,14 +1,15 @@
 """The decoder's fused, stacked weight layout: the one table both loaders follow.
 
-Every parameter kind of the Llama-family decoder (jax_engine/models/llama.py documents the
-shapes) has one row in `LAYOUT`: how it is sharded over the tensor-parallel mesh axis `model`,
+Every parameter of the Llama-family decoder (jax_engine/models/decoder.py documents the module
+paths and shapes) has one row in `LAYOUT`: how it is sharded over the tensor-parallel mesh axis `model`,
 whether it stays float32 whatever the serving dtype, and, for int8 weight-only quantization,
 its contraction axes and how its per-output-channel scale is sharded. The HF loader
 (jax_engine/models/llama_weights.py), the converted-checkpoint reader (`converted.py`) and the
-offline converter (weights_convert/) all read this table; nothing else spells the layout.
+offline converter (weights_convert/) all read this table, and the nnx modules carry its
+partition specs as their parameters' sharding metadata; nothing else spells the layout.
 
-Names are pytree paths: top-level kinds by name ("embed"), per-layer kinds under "layers/"
-("layers/qkv"); a quantized kind is a {"q", "s"} pair, flattened as "<name>.q" / "<name>.s".
+Names are the modules' parameter paths, which follow Hugging Face's with the layer index dropped
+("model.layers.self_attn.qkv_proj.weight"); an int8 weight's per-channel scale is "<path>.scale".
 """
 from __future__ import annotations
 
@@ -34,32 +35,48 @@ class Kind:
         return self.contract is not None
 
 
+L_ = "model.layers."
 LAYOUT: dict[str, Kind] = {
-    "embed": Kind(P(None, None)),
-    "lm_head": Kind(P(None, "model"), contract=(0,), scale_keeps=(1,), scale_spec=P("model")),   # keep axis V
-    "final_norm": Kind(P(None), float32=True),
-    "layers/qkv": Kind(P(None, None, "model", None, None), contract=(0,), scale_keeps=(1, 2, 3),
-                       scale_spec=P(None, "model", None, None)),                                 # [L, KVH, G+2, D]
-    "layers/qkv_b": Kind(P(None, "model", None, None), float32=True),
-    "layers/o": Kind(P(None, "model", None, None, None), contract=(0, 1, 2), scale_keeps=(4,),
-                     scale_spec=P(None, None)),                                                 # [L, H]
-    "layers/gate_up": Kind(P(None, None, None, "model"), contract=(0,), scale_keeps=(2, 3),
-                           scale_spec=P(None, None, "model")),
-    "layers/down": Kind(P(None, "model", None), contract=(0,), scale_keeps=(2,), scale_spec=P(None, None)),
-    "layers/ln1": Kind(P(None, None), float32=True),
-    "layers/ln2": Kind(P(None, None), float32=True),
-    "layers/router": Kind(P(None, None, None)),                      # MoE [L, H, E]
+    "model.embed_tokens.weight": Kind(P(None, None)),
+    "lm_head.weight": Kind(P(None, "model"), contract=(0,), scale_keeps=(1,), scale_spec=P("model")),   # keep axis V
+    "model.norm.weight": Kind(P(None), float32=True),
+    L_ + "self_attn.qkv_proj.weight": Kind(P(None, None, "model", None, None), contract=(0,), scale_keeps=(1, 2, 3),
+                                           scale_spec=P(None, "model", None, None)),             # [L, KVH, G+2, D]
+    L_ + "self_attn.qkv_proj.bias": Kind(P(None, "model", None, None), float32=True),
+    L_ + "self_attn.o_proj.weight": Kind(P(None, "model", None, None, None), contract=(0, 1, 2), scale_keeps=(4,),
+                                         scale_spec=P(None, None)),                               # [L, H]
+    L_ + "mlp.gate_up_proj.weight": Kind(P(None, None, None, "model"), contract=(0,), scale_keeps=(2, 3),
+                                         scale_spec=P(None, None, "model")),
+    L_ + "mlp.down_proj.weight": Kind(P(None, "model", None), contract=(0,), scale_keeps=(2,), scale_spec=P(None, None)),
+    L_ + "input_layernorm.weight": Kind(P(None, None), float32=True),
+    L_ + "post_attention_layernorm.weight": Kind(P(None, None), float32=True),
+    L_ + "mlp.gate.weight": Kind(P(None, None, None)),                   # MoE router [L, H, E]
     # MoE experts: E over the expert-parallel axis 'expert' (--ep; meshes without it leave E whole),
     # each expert's I over 'model' (jax_engine/models/moe.py runs them under shard_map)
-    "layers/experts_gate_up": Kind(P(None, "expert", None, None, "model")),   # [L, E, H, 2, I]
-    "layers/experts_down": Kind(P(None, "expert", "model", None)),            # [L, E, I, H]
-    "layers/post_attn_norm": Kind(P(None, None), float32=True),     # Gemma's sandwich norms
-    "layers/post_ff_norm": Kind(P(None, None), float32=True),
-    "layers/q_norm": Kind(P(None, None), float32=True),
-    "layers/k_norm": Kind(P(None, None), float32=True),
+    L_ + "mlp.experts.gate_up_proj": Kind(P(None, "expert", None, None, "model")),   # [L, E, H, 2, I]
+    L_ + "mlp.experts.down_proj": Kind(P(None, "expert", "model", None)),            # [L, E, I, H]
+    L_ + "pre_feedforward_layernorm.weight": Kind(P(None, None), float32=True),     # Gemma's sandwich norms
+    L_ + "post_feedforward_layernorm.weight": Kind(P(None, None), float32=True),
+    L_ + "self_attn.q_norm.weight": Kind(P(None, None), float32=True),
+    L_ + "self_attn.k_norm.weight": Kind(P(None, None), float32=True),
 }
 QUANTIZABLE = frozenset(n for n, k in LAYOUT.items() if k.quantizable)
-LAYERS = "layers/"
+LAYERS = L_
+SCALE = ".scale"
+
+
+def kind_of(name: str) -> tuple[str, bool]:
+    """A tensor name -> (its LAYOUT entry, whether it is an int8 weight's scale)."""
+    if name.endswith(SCALE):
+        return name[:-len(SCALE)] + ".weight", True
+    return name, False
+
+
+def spec_of(name: str) -> P:
+    """The partition spec of tensor `name` (an int8 weight's "<path>.scale" included)."""
+    kind, is_scale = kind_of(name)
+    k = LAYOUT[kind]
+    return (k.scale_spec if is_scale else k.spec) or P()
 
 
 def on_mesh(spec: P, mesh: Mesh) -> P:
@@ -69,15 +86,10 @@ def on_mesh(spec: P, mesh: Mesh) -> P:
 
 
 def sharding_for(name: str, mesh: Optional[Mesh]) -> Any:
+    """Where tensor `name` (an int8 weight's "<path>.scale" included) lives on `mesh`."""
     if mesh is None:
         return jax.local_devices()[0]
-    return NamedSharding(mesh, on_mesh(LAYOUT[name].spec, mesh))
-
-
-def scale_sharding_for(name: str, mesh: Optional[Mesh]) -> Any:
-    if mesh is None:
-        return jax.local_devices()[0]
-    return NamedSharding(mesh, LAYOUT[name].scale_spec)
+    return NamedSharding(mesh, on_mesh(spec_of(name), mesh))
 
 
 def quantize_int8(w: np.ndarray, contract_axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -114,29 +126,14 @@ def regroup_bias(b: np.ndarray, r: int) -> np.ndarray:
     return np.concatenate([q, np.repeat(b[:, G:G + 1], r, 0), np.repeat(b[:, G + 1:], r, 0)], axis=1)
 
 
+QKV, O, QKV_BIAS = (LAYERS + "self_attn.qkv_proj.weight", LAYERS + "self_attn.o_proj.weight",
+                    LAYERS + "self_attn.qkv_proj.bias")
+
+
 def regroup_layer(layer: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
-    """One layer's {"qkv", "o", ["qkv_b"]} with every KV head replicated r times (in place)."""
-    layer["qkv"], layer["o"] = regroup_kv(layer["qkv"], layer["o"], r)
-    if "qkv_b" in layer:
-        layer["qkv_b"] = regroup_bias(layer["qkv_b"], r)
+    """One layer's tensors (by name) with every KV head of qkv, o and the qkv bias replicated r
+    times (in place)."""
+    layer[QKV], layer[O] = regroup_kv(layer[QKV], layer[O], r)
+    if QKV_BIAS in layer:
+        layer[QKV_BIAS] = regroup_bias(layer[QKV_BIAS], r)
     return layer
-
-
-def flatten(params: dict) -> dict[str, Any]:
-    """{"embed": a, "layers": {"qkv": {"q", "s"}}} -> {"embed": a, "layers/qkv.q": .., "layers/qkv.s": ..}."""
-    out: dict[str, Any] = {}
-    for k, v in params.items():
-        if k == "layers":
-            out.update({LAYERS + n: x for n, x in flatten(v).items()})
-        elif isinstance(v, dict):
-            out[k + ".q"], out[k + ".s"] = v["q"], v["s"]
-        else:
-            out[k] = v
-    return out
-
-
-def split_name(flat_name: str) -> tuple[str, str, bool, str]:
-    """A flattened name -> (layout kind, pytree key, per-layer?, part: "" | "q" | "s")."""
-    base, _, part = flat_name.partition(".")
-    per_layer = base.startswith(LAYERS)
-    return base, (base[len(LAYERS):] if per_layer else base), per_layer, part

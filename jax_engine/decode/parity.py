@@ -1,7 +1,7 @@
 """Logits of every prompt position through the serving forward pass, for parity checks.
 
 The serving programs return only each row's last logits; comparing against transformers needs
-all of them. This runs `llama.forward` over a fresh set of pages (1..P) of a copy of the
+all of them. This runs the decoder module over a fresh set of pages (1..P) of a copy of the
 runner's KV layout, so it leaves the served state untouched. Used by the tests and by
 benchmarks/device_check.py; not on any serving path (it compiles on first use).
 """
@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engine.models import llama
+from jax_engine.models import decoder
 from jax_engine.models.llama import StepInputs
 
 
 def prompt_logits(runner, prompt: list[int], lora_slot: int = 0) -> np.ndarray:
     """[len(prompt), vocab] float32 logits of `prompt` through `runner`'s params and cache layout
     (under the LoRA adapter in 1-based bank slot `lora_slot`; 0 = the base model)."""
-    cfg, ps = runner.cfg, runner.rc.page_size
+    ps = runner.rc.page_size
     T = len(prompt)
     P = math.ceil(T / ps)
     pages = np.arange(1, P + 1, dtype=np.int32)
@@ -32,8 +32,9 @@ def prompt_logits(runner, prompt: list[int], lora_slot: int = 0) -> np.ndarray:
 
     @jax.jit
     def f(params, k, v, inp, lora):
-        h, _, _ = llama.forward(params, cfg, k, v, inp, ps, lora)
-        return llama.lm_head(params, cfg, h)
+        model = decoder.merge(runner.graphdef, params)
+        h, _, _ = model(k, v, inp, ps, lora)
+        return model.logits(h)
 
     k = jnp.zeros_like(runner.state["k"])
     v = jnp.zeros_like(runner.state["v"])

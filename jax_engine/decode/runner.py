@@ -65,7 +65,7 @@ from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.executor import backend
 from jax_engine.executor.compilation import ProgramCache
 from jax_engine.lora import bank as lora_bank
-from jax_engine.models import llama
+from jax_engine.models import decoder
 from jax_engine.models.llama import LlamaConfig, StepInputs
 
 NUM_BIAS = 64     # static width of the sparse logit-bias arrays (a request may set up to this many)
@@ -189,8 +189,12 @@ def mirrored(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class ModelRunner:
-    def __init__(self, cfg: LlamaConfig, params: dict, rc: RunnerConfig, mesh: Optional[Mesh], dtype: Any):
-        self.cfg, self.params, self.rc, self.mesh = cfg, params, rc, mesh
+    def __init__(self, cfg: LlamaConfig, model: decoder.CausalLM, rc: RunnerConfig, mesh: Optional[Mesh], dtype: Any):
+        if model.cfg != cfg:
+            raise ValueError("the model module was built for another config than the runner's")
+        self.cfg, self.rc, self.mesh = cfg, rc, mesh
+        # split once: every program closes over the graph definition and takes the state pytree
+        self.graphdef, self.params = decoder.split(model)
         self.mirror: Optional[tuple[StepPublisher, str]] = None     # (channel, key) on process 0 of a slice
         self.dtype = dtype
         # every running row decodes in every step, so the budget is never below the row count
@@ -215,6 +219,10 @@ class ModelRunner:
         self.lora: Optional[lora_bank.Bank] = (
             lora_bank.new_bank(cfg, rc.lora_slots, rc.lora_rank, dtype, mesh) if rc.lora_slots > 0 else None)
         self._register()
+
+    def model(self) -> decoder.CausalLM:
+        """The decoder module over the served parameters (for inspection; programs merge their own)."""
+        return decoder.merge(self.graphdef, self.params)
 
     # ------------------------------------------------------------------ state
     def _new_state(self) -> dict:
@@ -257,7 +265,7 @@ class ModelRunner:
         return min(T, self.rc.max_running * (1 + self.rc.spec_tokens)) if spec else self.rows_for(T)
 
     def _register(self) -> None:
-        cfg, ps, top_n = self.cfg, self.rc.page_size, self.rc.top_n
+        cfg, ps, top_n, graphdef = self.cfg, self.rc.page_size, self.rc.top_n, self.graphdef
         # Step outputs are replicated over the mesh so any process can read them locally (multihost.py).
         rep = (lambda t: jax.lax.with_sharding_constraint(t, self._replicated)) if self.mesh is not None else (lambda t: t)
 
@@ -266,8 +274,9 @@ class ModelRunner:
             then per sample row: penalties, bias, bans, the grammar mask, the draw (or, with `spec`,
             the verification of each position's proposed token), logprobs and the penalty-count
             update of the emitted tokens; also the final hidden states."""
-            h, k, v = llama.forward(params, cfg, state["k"], state["v"], inp, ps, lora)
-            raw = llama.lm_head(params, cfg, h[sample_idx])                  # [S, V] float32
+            model = decoder.merge(graphdef, params)
+            h, k, v = model(state["k"], state["v"], inp, ps, lora)
+            raw = model.logits(h[sample_idx])                                # [S, V] float32
             counts = state["counts"][slot_ids]
             if spec is not None:     # position j of a row sees its proposals d1..dj as generated
                 counts = counts.at[jnp.arange(counts.shape[0])[:, None], spec.prior].add(1, mode="drop")
@@ -290,10 +299,10 @@ class ModelRunner:
 
         def prompt_logprobs(params, h, next_tokens):
             """Logprob (and top-N) of next_tokens[t] after position t, from the chunk's hidden states."""
-            return rep(sampling.logprobs_of(llama.lm_head(params, cfg, h), next_tokens, top_n))
+            return rep(sampling.logprobs_of(decoder.merge(graphdef, params).logits(h), next_tokens, top_n))
 
         def copy_page(state, src, dst):
-            k, v = llama.attention.get(cfg.attention_backend).copy_page(cfg, state["k"], state["v"], src, dst, ps)
+            k, v = attention.get(cfg.attention_backend).copy_page(cfg, state["k"], state["v"], src, dst, ps)
             return {**state, "k": k, "v": v}
 
         def set_slot(state, slot, prompt_ids, output_ids):

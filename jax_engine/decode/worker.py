@@ -37,9 +37,9 @@ from jax_engine.executor.multihost import StepChannel
 from jax_engine.kernels import choose as cpu_matmul
 from jax_engine.lora.adapter import load_adapter
 from jax_engine.lora.table import AdapterTable
-from jax_engine.models import llama
+from jax_engine.models.decoder import count_params, pack_for_kernel
 from jax_engine.models.llama import LlamaConfig
-from jax_engine.models.llama_weights import count_params, load_params
+from jax_engine.models.llama_weights import load_model
 from jax_engine.spec import METHODS
 from jax_engine.types import (
     AdapterInfo,
@@ -140,7 +140,7 @@ class GenerateWorker:
         for r, mesh in enumerate(self.meshes):
             bar = tqdm(total=self.cfg.num_layers, desc=f"loading {spec.name} (replica {r})", unit="layer",
                        disable=not os.environ.get("XLASERVE_PROGRESS", "1") == "1")
-            params = llama.pack_for_kernel(load_params(spec.path, self.cfg, self.dtype, quant, mesh, bar.update), self.cfg)
+            model = pack_for_kernel(load_model(spec.path, self.cfg, self.dtype, quant, mesh, bar.update))
             bar.close()
             rc = RunnerConfig(page_size=self.page_size, num_pages=0, max_running=max_running,
                               max_batched_tokens=max_tokens, max_model_len=self.max_model_len,
@@ -149,7 +149,7 @@ class GenerateWorker:
                               lora_slots=args.max_loras if lora_on else 0, lora_rank=args.max_lora_rank,
                               spec_tokens=spec_k)
             rc.num_pages = spec.num_pages or self._auto_pages(rc)
-            runner = ModelRunner(self.cfg, params, rc, mesh, self.dtype)
+            runner = ModelRunner(self.cfg, model, rc, mesh, self.dtype)
             self.local_runners[f"{spec.name}/{r}"] = runner
             if channel is not None and jax.process_index() == 0:
                 runner.mirror = (channel, f"{spec.name}/{r}")     # publish each device call to the followers

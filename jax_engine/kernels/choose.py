@@ -35,7 +35,7 @@ more than MARGIN.
 What is timed (`choose`): for each matrix of the served decoder (qkv, o, gate_up, down and the LM
 head) both paths on synthetic weights with the model's real contraction size, layout and dtype
 (float32 / bfloat16 arrays, or weight-only int8 {"q", "s"}): XLA's einsum over the model's layout
-inside a `lax.scan` over stacked layers (as `llama.forward` runs it, slicing included), and the
+inside a `lax.scan` over stacked layers (as models/decoder.py runs it, slicing included), and the
 kernel on packed panels with the layer index. Row counts: 1 and the largest decode batch D
 (--max-running-requests) for the "decode" class (M <= D); for "prefill" (M > D) the largest step
 T (--max-num-batched-tokens) and, where it fits (2 D <= m <= T / 2), a prompt-sized point m, the
@@ -269,15 +269,13 @@ class _Point:
         sds = jax.ShapeDtypeStruct
         if case.weight == "lm_head":
             self.x = sds((m, case.k), dt)                  # h[:, 0] of the decode step
-            head_cfg = type("HeadCfg", (), {"matmul": "xla", "matmul_plan": None, "tie_embeddings": case.tied,
-                                            "vocab_size": n})()
             if case.tied:
-                xla_w: Any = {"embed": sds((n, case.k), dt)}
+                xla_w: Any = sds((n, case.k), dt)
             elif case.int8:
-                xla_w = {"lm_head": {"q": sds((case.k, n), jnp.int8), "s": sds((n,), jnp.float32)}}
+                xla_w = {"q": sds((case.k, n), jnp.int8), "s": sds((n,), jnp.float32)}
             else:
-                xla_w = {"lm_head": sds((case.k, n), dt)}
-            xla_fn = lambda x, w: llama.lm_head_matmul(w, head_cfg, x)                 # noqa: E731
+                xla_w = sds((case.k, n), dt)
+            xla_fn = lambda x, w: llama.head_einsum(x, w, tied=case.tied)            # noqa: E731
             kernel_fn = lambda x, w: cpu_kernels.linear(x, w, 0, 1, (n,))              # noqa: E731
             pk_lead: tuple[int, ...] = (1,)
         else:

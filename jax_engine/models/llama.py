@@ -1,9 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE):
+its configuration, RoPE variants, building blocks and matmul routing.
 
-Plain functions over a params pytree rather than Flax modules: the runner needs full control
-of static shapes, buffer donation and sharding, and a pytree of arrays is what `jit` sees
-anyway. Layer weights are stacked on a leading axis and the layers run under `lax.scan`,
-which compiles ~3x faster than an unrolled loop on XLA:CPU and runs faster too.
+The model itself is the flax.nnx module tree of jax_engine/models/decoder.py, which calls these.
+Layer weights are stacked on a leading axis and the layers run under `lax.scan`, which compiles
+~3x faster than an unrolled loop on XLA:CPU and runs faster too.
 
 Weight layout (chosen for fused matmuls and clean tensor-parallel sharding):
   qkv   [L, H, KVH, G+2, D]  per KV head: its G query heads, then K, then V
@@ -12,11 +12,11 @@ Weight layout (chosen for fused matmuls and clean tensor-parallel sharding):
   down  [L, I, H]            row-parallel over I
 Linear weights are either arrays or {"q": int8, "s": per-output-channel scale} (weight-only int8).
 With cfg.matmul == "kernel" (CPU) the four layer matrices and the LM head are instead packed into
-64-column panels [L, P, K, 64] by `pack_for_kernel`, for jax_engine/kernels/cpu.py. With "mixed"
-(--cpu-matmul auto measured a different winner per matrix or per row count, jax_engine/kernels/
-choose.py) cfg.matmul_plan routes each matmul by its static row count M: a matrix only the kernel
-serves is packed in place of its layout, one served by both keeps its layout and gets a packed copy
-under "<name>_panels". "blas" (the library sgemm, float32) reads the layouts above unchanged.
+64-column panels [L, P, K, 64] (decoder.pack_for_kernel), for jax_engine/kernels/cpu.py. With
+"mixed" (--cpu-matmul auto measured a different winner per matrix or per row count, jax_engine/
+kernels/choose.py) cfg.matmul_plan routes each matmul by its static row count M: a matrix only the
+kernel serves is packed in place of its layout, one served by both keeps its layout and gets the
+packed copy beside it. "blas" (the library sgemm, float32) reads the layouts above unchanged.
 """
 from __future__ import annotations
 
@@ -28,12 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_engine import attention
 from jax_engine.errors import InvalidRequest
-from jax_engine.kernels import cpu as cpu_kernels
 from jax_engine.kernels.plan import MatmulPlan
-from jax_engine.models import lora as lora_terms
-from jax_engine.models import moe
 from jax_engine.models.registry import DECODERS, architecture_of
 
 Params = dict[str, Any]
@@ -364,137 +360,15 @@ class StepInputs:
     num_rows: jax.Array      # [1] int32 real rows
 
 
-def forward(
-    params: Params, cfg: LlamaConfig, k_cache: jax.Array, v_cache: jax.Array,
-    inp: StepInputs, page_size: int, lora: Optional[tuple[lora_terms.Bank, jax.Array]] = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Run all layers; returns (final-normed hidden [T, H], k_cache, v_cache).
-
-    `lora` = (the adapter bank [L, S, ...] of jax_engine/lora/bank.py, each token's 1-based slot
-    [T], 0 = none): every layer matrix gets its tokens' LoRA term. The runner passes None for a
-    step without an adapter row (a program compiled without the term, jax_engine/decode/runner.py).
-
-    The caches' layout belongs to the attention backend (jax_engine/attention/; the reference's
-    is [L, num_pages * page_size, KVH, D]); they travel in the scan carry and are updated with
-    scatters so a donated buffer is written in place.
-    """
-    G = cfg.num_heads // (cfg.num_kv_heads * cfg.kv_repeat)          # query heads per (replicated) KV head
-    # activations are [1, T, ...]: the layouts' einsums (SPECS) and the CPU kernels take a
-    # [B, Tq] lead; attention sees the flat [T, ...] view
-    x = params["embed"][inp.tokens][None]                             # [1, T, H]
-    if cfg.embed_scale != 1.0:            # Gemma: the scale is rounded to the embedding's dtype first
-        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
-    q_pos = inp.positions[None]
-    inv_freq = token_inv_freq(cfg, q_pos)                            # [D/2] or per token [1, T, D/2]
-    windowed = jnp.asarray(np.array(cfg.layer_windows or [0] * cfg.num_layers) > 0)      # [L]
-    local_freq = jnp.asarray(np.array(cfg.inv_freq_local, dtype=np.float32)) if cfg.inv_freq_local else None
-    q_scale = cfg.attn_scale * math.sqrt(cfg.head_dim) if cfg.attn_scale else 1.0   # backends scale by 1/sqrt(D)
-    act_fn = (lambda v: jax.nn.gelu(v, approximate=True)) if cfg.act == "gelu_tanh" else jax.nn.silu
-    attn = attention.get(cfg.attention_backend)
-    meta = attn.prepare(cfg, inp, page_size)                         # masks / kernel metadata, once per step
-
-    layers = params["layers"]
-    M = math.prod(inp.tokens.shape)                                  # rows of every layer matmul in this program
-    # a kernel-routed matrix is taken whole (stacked) with the layer index: no per-layer slice copy;
-    # the scan runs over the XLA-routed matrices and the small per-layer tensors only
-    big = {k: layers[panels_key(cfg, k)] for k in PACKED if matmul_path(cfg, k, M) == "kernel"}
-    lib = {k: layers[k] for k in PACKED if matmul_path(cfg, k, M) == "blas"}   # the library sgemm, also whole
-    skip = set(big) | set(lib) | {f"{k}_panels" for k in PACKED}    # ... and a second layout the scan must not slice
-    if cfg.num_experts:      # MoE experts whole too: models/moe.py slices out each block's expert by layer index
-        skip |= {"experts_gate_up", "experts_down"}
-    xs = {k: v for k, v in layers.items() if k not in skip}
-    kvh_r = cfg.num_kv_heads * cfg.kv_repeat
-    if lora is not None:
-        bank, lora_slot = lora
-        lora_mask = lora_terms.token_mask(lora_slot, *bank["down_a"].shape[-2:], x.dtype)   # [T, S*R]
-        xs = {**xs, **{"lora/" + k: v for k, v in bank.items()}}
-
-    def plus_lora(lp, y, term):
-        """y [1, T, ...] plus its LoRA term (term(this layer's bank slice): [T, ...])."""
-        if lora is None:
-            return y
-        lb = {k[5:]: v for k, v in lp.items() if k.startswith("lora/")}
-        return y + term(lb)[None].astype(y.dtype)
-
-    def mm(name, lp, li, v, out_tail):
-        """One layer matmul; out_tail (the unsharded output dims) is what the kernel path needs."""
-        if name in big:
-            return cpu_kernels.linear(v, big[name], li, _K_DIMS[name], out_tail).astype(v.dtype)
-        if name in lib:
-            return cpu_kernels.blas_linear(v, lib[name], li, _K_DIMS[name]).astype(v.dtype)
-        return linear(v, lp[name], SPECS[name])
-
-    def layer(carry, lp):
-        x, kc, vc, li = carry
-        h = rms_norm(x, lp["ln1"], cfg.rms_eps)
-        qkv = mm("qkv", lp, li, h, (kvh_r, G + 2, cfg.head_dim))   # [B, Tq, KVH, G+2, D]
-        qkv = plus_lora(lp, qkv, lambda lb: lora_terms.qkv_delta(h[0], lb, lora_mask))
-        if cfg.qkv_bias:
-            qkv = qkv + lp["qkv_b"].astype(qkv.dtype)
-        q, k, v = qkv[..., :G, :], qkv[..., G, :], qkv[..., G + 1, :]
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-        freq = inv_freq if local_freq is None else jnp.where(windowed[li], local_freq, inv_freq)
-        q = rope(q, q_pos, freq, cfg.rope_attention_factor)
-        k = rope(k, q_pos, freq, cfg.rope_attention_factor)
-        if q_scale != 1.0:
-            q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
-        kc, vc = attn.write(kc, vc, li, k[0], v[0], meta)
-        a = attn.attend(q[0], kc, vc, li, meta).astype(x.dtype)[None]   # [1, T, KVH, G, D]
-        o = plus_lora(lp, mm("o", lp, li, a, (cfg.hidden_size,)), lambda lb: lora_terms.o_delta(a[0], lb, lora_mask))
-        x = x + (rms_norm(o, lp["post_attn_norm"], cfg.rms_eps) if cfg.sandwich_norms else o)
-        h = rms_norm(x, lp["ln2"], cfg.rms_eps)
-        if cfg.num_experts:
-            d = moe.moe_mlp(h[0], lp["router"], layers["experts_gate_up"], layers["experts_down"], cfg.experts_per_token,
-                            cfg.normalize_top_k, act_fn, layer=li)[None]
-            return (x + d, kc, vc, li + 1), None
-        gu = mm("gate_up", lp, li, h, (2, cfg.intermediate_size))
-        gu = plus_lora(lp, gu, lambda lb: lora_terms.gate_up_delta(h[0], lb, lora_mask))
-        act = act_fn(gu[..., 0, :]) * gu[..., 1, :]
-        d = plus_lora(lp, mm("down", lp, li, act, (cfg.hidden_size,)), lambda lb: lora_terms.down_delta(act[0], lb, lora_mask))
-        x = x + (rms_norm(d, lp["post_ff_norm"], cfg.rms_eps) if cfg.sandwich_norms else d)
-        return (x, kc, vc, li + 1), None
-
-    (x, k_cache, v_cache, _), _ = jax.lax.scan(layer, (x, k_cache, v_cache, jnp.int32(0)), xs,
-                                               length=cfg.num_layers)
-    return rms_norm(x[0], params["final_norm"], cfg.rms_eps), k_cache, v_cache
-
-
-def lm_head(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
-    """Logits in float32 for hidden states [..., H] (Gemma: soft-capped)."""
-    y = lm_head_matmul(params, cfg, h)
-    if cfg.final_softcap:
-        y = jnp.tanh(y / cfg.final_softcap) * cfg.final_softcap
-    return y
-
-
-def lm_head_matmul(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
-    """The LM-head matmul alone (float32 logits before any soft-capping), on the routed path."""
-    path = matmul_path(cfg, "lm_head", math.prod(h.shape[:-1]))
-    if path == "kernel":
-        return cpu_kernels.linear(h, params[panels_key(cfg, "lm_head")], 0, 1, (cfg.vocab_size,))
-    if path == "blas":                 # tied: sgemm reads the [V, H] embedding transposed
-        w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-        y = cpu_kernels.blas_gemm(h.reshape(-1, h.shape[-1]), w[None], 0, trans_b=cfg.tie_embeddings)
-        return y.reshape(h.shape[:-1] + (cfg.vocab_size,))
-    if cfg.tie_embeddings:
-        return jnp.einsum("...h,vh->...v", h, params["embed"], preferred_element_type=jnp.float32)
-    w = params["lm_head"]
-    if isinstance(w, dict):     # int8: scale the float32 accumulator, no rounding to the activation dtype
-        return jnp.einsum("...h,hv->...v", h, w["q"].astype(h.dtype), preferred_element_type=jnp.float32) * w["s"]
-    return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
-
-
 PACKED = ("qkv", "o", "gate_up", "down")
 MATRICES = PACKED + ("lm_head",)         # every matmul cfg.matmul routes
-_K_DIMS = {"qkv": 1, "o": 3, "gate_up": 1, "down": 1}
+K_DIMS = {"qkv": 1, "o": 3, "gate_up": 1, "down": 1}
 SPECS = {"qkv": "bth,hkgd->btkgd", "o": "btkgd,kgdh->bth", "gate_up": "bth,hci->btci", "down": "bti,ih->bth"}
 
 
 def matmul_dims(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """(contraction dims, output dims) of each layer matrix's einsum (SPECS) and of the LM head,
-    as `forward` and `lm_head` run them (unsharded)."""
+    as models/decoder.py runs them (unsharded)."""
     G = cfg.num_heads // (cfg.num_kv_heads * cfg.kv_repeat)
     kvh, D, H, inter = cfg.num_kv_heads * cfg.kv_repeat, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
     return {"qkv": ((H,), (kvh, G + 2, D)), "o": ((kvh, G, D), (H,)), "gate_up": ((H,), (2, inter)), "down": ((inter,), (H,)),
@@ -509,7 +383,7 @@ def matmul_path(cfg: LlamaConfig, name: str, m: int) -> str:
     return cfg.matmul
 
 
-def _layouts(cfg: LlamaConfig, name: str) -> frozenset[str]:
+def layouts_of(cfg: LlamaConfig, name: str) -> frozenset[str]:
     """"xla" (XLA's layout, which the library sgemm also reads) and/or "kernel" (packed panels)."""
     if cfg.matmul == "mixed":
         assert cfg.matmul_plan is not None
@@ -517,29 +391,12 @@ def _layouts(cfg: LlamaConfig, name: str) -> frozenset[str]:
     return frozenset({"kernel" if cfg.matmul == "kernel" else "xla"})
 
 
-def panels_key(cfg: LlamaConfig, name: str) -> str:
-    """Where the packed panels of `name` live (in params["layers"] for a layer matrix, else in
-    params): in its own slot when only the kernel serves it, "<name>_panels" next to the XLA layout
-    when both paths do."""
-    return f"{name}_panels" if _layouts(cfg, name) == {"xla", "kernel"} else name
-
-
-def pack_for_kernel(params: Params, cfg: LlamaConfig) -> Params:
-    """The matrices the kernel serves (all of them with cfg.matmul == "kernel"; those the plan
-    routes to it with "mixed") in the kernel's panel layout; for tied embeddings a packed copy of
-    embed^T. A matrix only the kernel serves loses its XLA layout; everything else is unchanged."""
-    if cfg.matmul in ("xla", "blas"):
-        return params
-    out = dict(params)
-    out["layers"] = dict(params["layers"])
-    pairs = params["embed"].dtype == jnp.bfloat16         # bfloat16 activations: int8 in K pairs too
-    for name in MATRICES:
-        if "kernel" not in _layouts(cfg, name):
-            continue
-        if name == "lm_head":
-            head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-            out[panels_key(cfg, name)] = cpu_kernels.pack(head, 1, stacked=False, pairs=pairs)
-        else:
-            out["layers"][panels_key(cfg, name)] = cpu_kernels.pack(params["layers"][name], _K_DIMS[name],
-                                                                   stacked=True, pairs=pairs)
-    return out
+def head_einsum(h: jax.Array, w: Any, tied: bool) -> jax.Array:
+    """XLA's LM-head matmul: h [..., H] by the [V, H] embedding (tied) or the [H, V] head, an
+    array or int8 {"q", "s"} (the float32 accumulator is scaled, not rounded to the activation
+    dtype); float32 logits."""
+    if tied:
+        return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
+    if isinstance(w, dict):
+        return jnp.einsum("...h,hv->...v", h, w["q"].astype(h.dtype), preferred_element_type=jnp.float32) * w["s"]
+    return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)

@@ -9,7 +9,7 @@ padding rows after the real ones. Every backend sees exactly what runner._step_a
   * cpu: the C++ per-token kernel (CpuKernel), skipped where it does not build.
   * pallas_gpu: the real kernels (jax.experimental.pallas.ops.gpu.paged_attention per token, our
     windowed paged kernel for a sliding window that bites) in Pallas interpret mode, at the backend
-    level, through llama.forward, and through ModelRunner.step / copy_page.
+    level, through the decoder module, and through ModelRunner.step / copy_page.
   * pallas_tpu: our layout, KV write, ragged metadata and page copy, with the kernel module's own
     pure-JAX `ref_ragged_paged_attention` in place of the Mosaic kernel; the Mosaic kernel itself
     is tried in TPU interpret mode and skipped with the interpreter's known error on CPU.
@@ -41,7 +41,6 @@ from jax_engine.attention.reference import Reference
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as cpu_kernels
-from jax_engine.models import llama
 from jax_engine.models.llama import LlamaConfig, StepInputs
 
 PS, NPAGES, KVH, G, D, L = 16, 12, 2, 2, 16, 2
@@ -262,18 +261,22 @@ def tiny_model(seed: int = 0, window=None):
                       rms_eps=1e-6, max_position_embeddings=256,
                       inv_freq=tuple(1.0 / (10000.0 ** (np.arange(0, D, 2) / D))), sliding_window=window)
     w = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.3)  # noqa: E731
-    params = {"embed": w(V, H), "final_norm": jnp.ones(H), "lm_head": w(H, V),
-              "layers": {"ln1": jnp.ones((L, H)), "ln2": jnp.ones((L, H)), "qkv": w(L, H, KVH, G + 2, D),
-                         "o": w(L, KVH, G, D, H), "gate_up": w(L, H, 2, I), "down": w(L, I, H)}}
-    return cfg, params
+    lay = "model.layers."
+    tensors = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": jnp.ones(H), "lm_head.weight": w(H, V),
+               lay + "input_layernorm.weight": jnp.ones((L, H)), lay + "post_attention_layernorm.weight": jnp.ones((L, H)),
+               lay + "self_attn.qkv_proj.weight": w(L, H, KVH, G + 2, D), lay + "self_attn.o_proj.weight": w(L, KVH, G, D, H),
+               lay + "mlp.gate_up_proj.weight": w(L, H, 2, I), lay + "mlp.down_proj.weight": w(L, I, H)}
+    return cfg, tensors
 
 
 def test_forward_ragged_steps_gpu_interpret_matches_reference():
-    """Four ragged steps through llama.forward with a sliding window that bites (12 < the 32-key span):
+    """Four ragged steps through the decoder module with a sliding window that bites (12 < the 32-key span):
     two prompts (one chunked), then a step mixing a decode row with the second chunk, then decode."""
     import dataclasses
 
-    cfg, params = tiny_model(window=12)
+    from jax_engine.models import decoder
+
+    cfg, tensors = tiny_model(window=12)
     rng = np.random.default_rng(1)
     a_pages, b_pages = [7, 3], [10, 5]
     a, b = rng.integers(0, cfg.vocab_size, 18).tolist(), rng.integers(0, cfg.vocab_size, 14).tolist()
@@ -286,7 +289,8 @@ def test_forward_ragged_steps_gpu_interpret_matches_reference():
         c = dataclasses.replace(cfg, attention_backend=name)
         specs = attention.get(name).cache_specs(c, NPAGES, PS)
         k, v = (jnp.zeros(specs[n][0], jnp.float32) for n in ("k", "v"))
-        fwd = jax.jit(lambda p, k, v, inp, c=c: llama.forward(p, c, k, v, inp, PS))
+        gd, params = decoder.split(decoder.build(c, tensors))
+        fwd = jax.jit(lambda p, k, v, inp, gd=gd: decoder.merge(gd, p)(k, v, inp, PS))
         hs = []
         for segs, T, R in steps:
             h, k, v = fwd(params, k, v, step_inputs(segs, T, R, 2))
@@ -303,8 +307,9 @@ def test_runner_step_with_gpu_backend_matches_reference():
     import dataclasses
 
     from jax_engine.decode.runner import ModelRunner, RunnerConfig
+    from jax_engine.models import decoder
 
-    cfg, params = tiny_model(seed=3)
+    cfg, tensors = tiny_model(seed=3)
     greedy = SamplingRow()
     prompt = list(range(3, 27))                                    # 24 tokens: pages 5 (full) and 2 (partial)
     other = list(range(40, 51))                                    # 11 tokens in pages 9, 4: chunks of 8 and 3
@@ -312,7 +317,8 @@ def test_runner_step_with_gpu_backend_matches_reference():
     for name in ("reference", "pallas_gpu:interpret"):
         rc = RunnerConfig(page_size=PS, num_pages=NPAGES, max_running=3, max_batched_tokens=32, max_model_len=64,
                           max_n=2, top_n=1)
-        r = ModelRunner(dataclasses.replace(cfg, attention_backend=name), params, rc, None, jnp.float32)
+        c = dataclasses.replace(cfg, attention_backend=name)
+        r = ModelRunner(c, decoder.build(c, tensors), rc, None, jnp.float32)
         first = r.step([StepRow(prompt, 0, [5, 2], [SampleRow(0, greedy), SampleRow(1, greedy)]),
                         StepRow(other[:8], 0, [9, 4])], greedy=True)             # a chunk that does not sample
         assert first.starts == [0, 24]

@@ -224,8 +224,11 @@ def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
             worker = engine.worker("m")
             runner = worker.replicas[0].runner
             assert worker.cfg.matmul == want
-            qkv = runner.params["layers"]["qkv"]
-            assert (qkv.ndim == 4 and qkv.shape[-1] in (K.PANEL, 2 * K.PANEL)) == (want == "kernel")
+            qkv = runner.model().model.layers.self_attn.qkv_proj
+            packed = qkv.panels is not None and qkv.weight is None
+            assert packed == (want == "kernel")
+            if packed:
+                assert qkv.panels[...].ndim == 4 and qkv.panels[...].shape[-1] in (K.PANEL, 2 * K.PANEL)
             # XLA:CPU cannot update a bfloat16 cache in place in the layer scan: CPU keeps KV in float32
             c = runner.cfg
             assert runner.state["k"].dtype == jnp.float32
@@ -258,8 +261,10 @@ def test_bfloat16_int8_model_serves_through_the_pair_kernel(tmp_path):
                                 max_model_len=128, page_size=8))
         eng.load_all(progress=False, warmup=True)
         try:
-            qkv = eng.worker("m").replicas[0].runner.params["layers"]["qkv"]
-            assert (isinstance(qkv, dict) and qkv["q"].shape[-1] == 2 * K.PANEL) == (path_kind == "kernel")
+            qkv = eng.worker("m").replicas[0].runner.model().model.layers.self_attn.qkv_proj
+            pairs = qkv.panels is not None and qkv.panels_scale is not None and qkv.panels[...].shape[-1] == 2 * K.PANEL
+            assert pairs == (path_kind == "kernel")
+            assert (qkv.weight is not None and qkv.weight[...].dtype == jnp.int8) == (path_kind == "xla")
             out[path_kind] = asyncio.run(greedy_all(eng, prompts, 12, model="m"))
             assert eng.compilations_after_warmup() == 0
         finally:

@@ -10,7 +10,6 @@ transformers with zero compilations after warmup.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -225,15 +224,19 @@ def test_mixed_plan_serves_the_reference_output(mixed_engine):
 
     model, engine = mixed_engine
     worker = engine.worker("m")
-    cfg, params = worker.cfg, worker.replicas[0].runner.params
+    cfg = worker.cfg
     assert cfg.matmul == "mixed"
-    layers = params["layers"]
-    assert layers["qkv"].ndim == 5 and layers["qkv_panels"].shape[-1] == K.PANEL          # both layouts
-    assert layers["o"].shape[-1] == K.PANEL and "o_panels" not in layers                  # panels only
-    assert layers["gate_up"].ndim == 4 and "gate_up_panels" not in layers                 # XLA's only
+    m = worker.replicas[0].runner.model()
+    at, mlp = m.model.layers.self_attn, m.model.layers.mlp
+    assert at.qkv_proj.weight[...].ndim == 5 and at.qkv_proj.panels[...].shape[-1] == K.PANEL   # both layouts
+    assert at.o_proj.panels[...].shape[-1] == K.PANEL and at.o_proj.weight is None             # panels only
+    assert mlp.gate_up_proj.weight[...].ndim == 4 and mlp.gate_up_proj.panels is None          # XLA's only
     assert cfg.matmul_plan.path("gate_up", T) == "blas" and cfg.matmul_plan.path("gate_up", D) == "xla"
-    assert layers["down"].ndim == 3 and layers["down_panels"].shape[-1] == K.PANEL
-    assert params["lm_head"].ndim == 2 and params["lm_head_panels"].shape[-1] == K.PANEL
+    assert mlp.down_proj.weight[...].ndim == 3 and mlp.down_proj.panels[...].shape[-1] == K.PANEL
+    assert m.lm_head.weight[...].ndim == 2 and m.lm_head.panels[...].shape[-1] == K.PANEL
+    # the panels are the packed XLA layout, not a second copy of anything else
+    np.testing.assert_array_equal(np.asarray(K.pack(mlp.down_proj.weight[...], 1, stacked=True)),
+                                  np.asarray(mlp.down_proj.panels[...]))
 
     prompts = [list(range(3, 40)), [7, 8, 9], list(range(100, 130))]      # prefill M = 64 (> D), decode M = 1..4
     for p in prompts[:2]:
@@ -264,9 +267,9 @@ def test_both_paths_agree_on_the_same_weights(mixed_engine):
     runner = worker.replicas[0].runner
     x = np.random.default_rng(0).standard_normal((3, worker.cfg.hidden_size)).astype(np.float32)
     plan = worker.cfg.matmul_plan
-    xla_cfg = dataclasses.replace(worker.cfg, matmul="xla", matmul_plan=None)
-    head_xla = np.asarray(llama.lm_head(runner.params, xla_cfg, jnp.asarray(x)))
-    head_k = np.asarray(K.linear(jnp.asarray(x), runner.params["lm_head_panels"], 0, 1, (worker.cfg.vocab_size,)))
+    head = runner.model().lm_head
+    head_xla = np.asarray(llama.head_einsum(jnp.asarray(x), head.xla_weight(), tied=False))
+    head_k = np.asarray(K.linear(jnp.asarray(x), head.kernel_weight(), 0, 1, (worker.cfg.vocab_size,)))
     np.testing.assert_allclose(head_k, head_xla, rtol=1e-5, atol=1e-5)
     assert plan.path("lm_head", 1) == "kernel" and plan.path("lm_head", 3) == "xla"
 

@@ -104,8 +104,8 @@ def _child() -> None:
                                     cpu_matmul="xla", attention_backend="reference"))
             eng.load_all(progress=False, warmup=False)
             w = eng.worker("m")
-            layers = w.replicas[0].runner.params["layers"]
-            gu, dn = layers["experts_gate_up"], layers["experts_down"]
+            experts = w.replicas[0].runner.model().model.layers.mlp.experts
+            gu, dn = experts.gate_up_proj[...], experts.down_proj[...]
             mesh = w.meshes[0]
             results[fam][f"{tp}x{ep}"] = {
                 "logits": [engine_logits(w, p).tolist() for p in (PROMPTS[0], PROMPTS[3])],

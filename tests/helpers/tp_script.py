@@ -54,7 +54,8 @@ def dense_family(fam: str) -> dict:
         eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp)]))
         eng.load_all(progress=False, warmup=False)
         w = eng.worker("m")
-        qkv = w.replicas[0].runner.params["layers"]["qkv"]
+        lin = w.replicas[0].runner.model().model.layers.self_attn.qkv_proj
+        qkv = (lin.weight if lin.weight is not None else lin.panels)[...]     # tp 1 on CPU: the kernel's panels
         out[str(tp)] = {"logits": engine_logits(w, PROMPTS[3]).tolist(), "tokens": asyncio.run(greedy_all(eng, PROMPTS, 24)),
                         "qkv_shards": len({s.device for s in qkv.addressable_shards})}
         eng.shutdown()

@@ -57,7 +57,6 @@ def _load(path: str):
 
 @pytest.mark.parametrize("plat, want", [("gpu", "bfloat16"), ("cpu", "float32")])
 def test_generate_worker_weights_and_kv_cache(monkeypatch, demo_path, plat, want):
-    from jax_engine.models import llama
 
     monkeypatch.setattr(backend, "platform", lambda: plat)
     engine = _load(demo_path)
@@ -67,13 +66,16 @@ def test_generate_worker_weights_and_kv_cache(monkeypatch, demo_path, plat, want
         runner = worker.replicas[0].runner
         assert runner.state["k"].dtype == want and runner.state["v"].dtype == want
         # matrices take the chosen dtype; norm weights (and biases) stay float32 by design
-        p = runner.params
-        for w in (p["embed"], p["lm_head"], *(p["layers"][k] for k in ("qkv", "o", "gate_up", "down"))):
-            assert w.dtype == want
-        assert p["final_norm"].dtype == jnp.float32 and p["layers"]["ln1"].dtype == jnp.float32
+        m = runner.model()
+        ly = m.model.layers
+        assert m.model.embed_tokens.weight[...].dtype == want
+        for lin in (m.lm_head, ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj):
+            w = lin.weight if lin.weight is not None else lin.panels        # the CPU kernel's panels only
+            assert w[...].dtype == want
+        assert m.model.norm.weight[...].dtype == jnp.float32 and ly.input_layernorm.weight[...].dtype == jnp.float32
         # logits come out in float32 whatever the weights are
         h = jnp.ones((2, worker.cfg.hidden_size), want)
-        logits = llama.lm_head(runner.params, worker.cfg, h)
+        logits = m.logits(h)
         assert logits.dtype == jnp.float32 and bool(np.isfinite(np.asarray(logits)).all())
         # the page budget counts the KV cache at its real width
         assert runner.kv_bytes_per_page() == (2 * worker.cfg.num_layers * 8 * worker.cfg.num_kv_heads
