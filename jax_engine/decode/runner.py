@@ -193,8 +193,11 @@ class ModelRunner:
         if model.cfg != cfg:
             raise ValueError("the model module was built for another config than the runner's")
         self.cfg, self.rc, self.mesh = cfg, rc, mesh
-        # split once: every program closes over the graph definition and takes the state pytree
+        # split once: every program closes over the graph definition and takes the state pytree,
+        # placed as the parameters' sharding metadata says (a no-op when the loader placed it so)
         self.graphdef, self.params = decoder.split(model)
+        if mesh is not None:
+            self.params = jax.device_put(self.params, decoder.shardings(self.params, mesh))
         self.mirror: Optional[tuple[StepPublisher, str]] = None     # (channel, key) on process 0 of a slice
         self.dtype = dtype
         # every running row decodes in every step, so the budget is never below the row count

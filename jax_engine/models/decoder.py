@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_engine import attention
 from jax_engine.checkpoint import layout
@@ -410,6 +411,14 @@ def split(m: CausalLM) -> tuple[nnx.GraphDef, nnx.State]:
 
 def merge(graphdef: nnx.GraphDef, state: nnx.State) -> CausalLM:
     return nnx.merge(graphdef, state)
+
+
+def shardings(state: nnx.State, mesh: Mesh) -> Any:
+    """The state's NamedShardings on `mesh`, from its parameters' sharding metadata (mesh axes
+    the mesh lacks dropped; the kernel's panels, which carry none, replicated)."""
+    specs = nnx.get_partition_spec(state)
+    return jax.tree.map(lambda s: NamedSharding(mesh, layout.on_mesh(s, mesh)), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def count_params(cfg: LlamaConfig) -> int:
