@@ -43,6 +43,7 @@ LAYOUT: dict[str, Kind] = {
     L_ + "self_attn.qkv_proj.weight": Kind(P(None, None, "model", None, None), contract=(0,), scale_keeps=(1, 2, 3),
                                            scale_spec=P(None, "model", None, None)),             # [L, KVH, G+2, D]
     L_ + "self_attn.qkv_proj.bias": Kind(P(None, "model", None, None), float32=True),
+    L_ + "self_attn.o_proj.bias": Kind(P(None, None), float32=True),                       # [L, H]
     L_ + "self_attn.o_proj.weight": Kind(P(None, "model", None, None, None), contract=(0, 1, 2), scale_keeps=(4,),
                                          scale_spec=P(None, None)),                               # [L, H]
     L_ + "mlp.gate_up_proj.weight": Kind(P(None, None, None, "model"), contract=(0,), scale_keeps=(2, 3),

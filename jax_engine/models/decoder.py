@@ -11,6 +11,7 @@ dropped (layers are stacked on a leading axis):
   model.layers.self_attn.qkv_proj.bias            [L, KVH, G+2, D]      (Qwen2)
   model.layers.self_attn.{q_norm,k_norm}.weight   [L, D]                (Qwen3, Gemma 3)
   model.layers.self_attn.o_proj.weight            [L, KVH, G, D, H]
+  model.layers.self_attn.o_proj.bias              [L, H]                (Llama's attention_bias)
   model.layers.post_attention_layernorm.weight    [L, H]
   model.layers.{pre,post}_feedforward_layernorm.weight                  (Gemma's sandwich norms)
   model.layers.mlp.gate_up_proj.weight            [L, H, 2, I]          (gate_proj, up_proj)
@@ -283,6 +284,8 @@ class CausalLM(nnx.Module):
             kc, vc = attn.write(kc, vc, li, k[0], v[0], meta)
             a = attn.attend(q[0], kc, vc, li, meta).astype(x.dtype)[None]   # [1, T, KVH, G, D]
             o = plus_lora(lb, mm(at.o_proj, li, a, (cfg.hidden_size,)), lambda b: lora_terms.o_delta(a[0], b, lora_mask))
+            if at.o_proj.bias is not None:
+                o = o + at.o_proj.bias[...].astype(o.dtype)
             if ly.pre_feedforward_layernorm is not None:     # Gemma: post-attention norm, then pre-MLP norm
                 x = x + ly.post_attention_layernorm(o, cfg.rms_eps)
                 h = ly.pre_feedforward_layernorm(x, cfg.rms_eps)
@@ -352,7 +355,7 @@ def build(cfg: LlamaConfig, tensors: dict[str, Any]) -> CausalLM:
 
     L = "model.layers."
     A = L + "self_attn."
-    attn = Attention(lin(A + "qkv_proj", "qkv", bias=cfg.qkv_bias), lin(A + "o_proj", "o"),
+    attn = Attention(lin(A + "qkv_proj", "qkv", bias=cfg.qkv_bias), lin(A + "o_proj", "o", bias=cfg.o_bias),
                      norm(A + "q_norm") if cfg.qk_norm else None, norm(A + "k_norm") if cfg.qk_norm else None)
     if cfg.num_experts:
         mlp: MLP | MoE = MoE(Router(take(L + "mlp.gate.weight")),

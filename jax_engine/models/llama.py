@@ -71,6 +71,7 @@ class LlamaConfig:
     normalize_top_k: bool = True
     sliding_window: Optional[int] = None
     qkv_bias: bool = False
+    o_bias: bool = False                  # Llama's attention_bias biases o_proj too (Qwen2: q, k, v only)
     qk_norm: bool = False
     tie_embeddings: bool = False
     bos_token_id: Optional[int] = None
@@ -155,6 +156,7 @@ class LlamaConfig:
             inv_freq=tuple(float(x) for x in inv_freq), rope_attention_factor=factor,
             inv_freq_long=tuple(float(x) for x in long_inv), rope_long_from=long_from, rope_dynamic=dynamic,
             sliding_window=window, qkv_bias=bool(mt == "qwen2" or cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)),
             num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
             normalize_top_k=bool(cfg.get("norm_topk_prob", True)) if mt == "qwen3_moe" else True,
             qk_norm=(mt in ("qwen3", "gemma3_text", "qwen3_moe")), tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),

@@ -29,7 +29,7 @@ RENAMES: tuple[tuple[str, str, Optional[str]], ...] = (
     (r"self_attn\.(q|k|v)_proj\.weight", "self_attn.qkv_proj.weight", r"\1"),
     (r"self_attn\.qkv_proj\.weight", "self_attn.qkv_proj.weight", "qkv"),           # Phi-3: fused rows
     (r"self_attn\.(q|k|v)_proj\.bias", "self_attn.qkv_proj.bias", r"\1"),
-    (r"self_attn\.o_proj\.weight", "self_attn.o_proj.weight", None),
+    (r"self_attn\.o_proj\.(weight|bias)", r"self_attn.o_proj.\1", None),
     (r"self_attn\.(q_norm|k_norm)\.weight", r"self_attn.\1.weight", None),
     (r"mlp\.(gate|up)_proj\.weight", "mlp.gate_up_proj.weight", r"\1"),
     (r"mlp\.gate_up_proj\.weight", "mlp.gate_up_proj.weight", "gate_up"),           # Phi-3
@@ -119,6 +119,8 @@ def hf_layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         out.update({f"self_attn.{n}_proj.weight": (m * D, H) for n, m in (("q", nh), ("k", kvh), ("v", kvh))})
     if cfg.qkv_bias:
         out.update({f"self_attn.{n}_proj.bias": (m * D,) for n, m in (("q", nh), ("k", kvh), ("v", kvh))})
+    if cfg.o_bias:
+        out["self_attn.o_proj.bias"] = (H,)
     if cfg.qk_norm:
         out.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
     if cfg.sandwich_norms:

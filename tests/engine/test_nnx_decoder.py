@@ -122,13 +122,13 @@ def _copy_with(src: str, dst: str, edit) -> str:
 
 
 def test_loader_refuses_what_it_cannot_place(checkpoints, tmp_path):
-    """A tensor the module has no parameter for (an o_proj bias: Llama's attention_bias, which the
-    engine does not implement) is refused by name instead of dropped; a missing expert too."""
+    """A tensor the module has no parameter for (a down_proj bias, which no supported family
+    has) is refused by name instead of dropped; a missing expert too."""
     src = checkpoints["llama3"]
     cfg = LlamaConfig.from_hf(read_config(src))
     bad = _copy_with(src, str(tmp_path / "bias"),
-                     lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.bias", np.zeros(cfg.hidden_size, np.float32)))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias.*no parameter"):
+                     lambda t: t.__setitem__("model.layers.0.mlp.down_proj.bias", np.zeros(cfg.hidden_size, np.float32)))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj\.bias.*no parameter"):
         llama_weights.load_model(bad, cfg, np.float32, "none", None)
     moe = checkpoints["mixtral"]
     mcfg = LlamaConfig.from_hf(read_config(moe))

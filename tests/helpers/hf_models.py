@@ -48,8 +48,8 @@ def family_config(family: str):
     if family == "qwen3_moe":  # 8 experts, top 2, the normalisation rule off (Qwen3's own switch)
         return tf.Qwen3MoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
                                  norm_topk_prob=False)
-    if family == "llama_tied":
-        return tf.LlamaConfig(**TINY, tie_word_embeddings=True)
+    if family == "llama_tied":   # also attention_bias: q, k, v and o biases
+        return tf.LlamaConfig(**TINY, tie_word_embeddings=True, attention_bias=True)
     raise ValueError(family)
 
 
@@ -66,11 +66,13 @@ def build(family: str, path: str, seed: int = 0):
            "qwen2_yarn": tf.Qwen2ForCausalLM, "phi3": tf.Phi3ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,
            "gemma3": tf.Gemma3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[family]
     model = cls(cfg).eval()
-    if family.startswith("qwen2"):   # Qwen2 has QKV biases; make them non-zero so they are tested
+    if family.startswith("qwen2") or family == "llama_tied":   # biases start at 0: make them non-zero
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.1)
+                at = layer.self_attn
+                for proj in (at.q_proj, at.k_proj, at.v_proj, at.o_proj):
+                    if proj.bias is not None:
+                        proj.bias.normal_(0, 0.1)
     if family.startswith("gemma"):   # Gemma's norms start at 0 (a factor of 1 + 0): make them matter
         with torch.no_grad():
             for name, p in model.named_parameters():

