@@ -86,7 +86,7 @@ def load_converted(path: str, cfg, dtype, quantize: str, mesh,
             arrays[k] = a
     r = cfg.kv_repeat
     if r > 1:
-        if layout.QKV[:-len(".weight")] + layout.SCALE in arrays:
+        if layout.scale_name(layout.QKV) in arrays:
             raise InvalidRequest("int8 converted checkpoints cannot be served with tp > KV heads; convert to float")
         names = [n for n in (layout.QKV, layout.O, layout.QKV_BIAS) if n in arrays]
         layers = [layout.regroup_layer({n: arrays[n][i] for n in names}, r) for i in range(cfg.num_layers)]

@@ -27,7 +27,6 @@ class Kind:
     spec: P                                       # partition spec of the tensor ('model' = TP axis)
     float32: bool = False                         # norms and biases stay float32 for accuracy
     contract: Optional[tuple[int, ...]] = None    # int8: contraction axes of one (unstacked) weight
-    scale_keeps: Optional[tuple[int, ...]] = None  # int8: the dims of the stacked weight a scale keeps
     scale_spec: Optional[P] = None                # int8: partition spec of the scale
 
     @property
@@ -38,24 +37,27 @@ class Kind:
 L_ = "model.layers."
 LAYOUT: dict[str, Kind] = {
     "model.embed_tokens.weight": Kind(P(None, None)),
-    "lm_head.weight": Kind(P(None, "model"), contract=(0,), scale_keeps=(1,), scale_spec=P("model")),   # keep axis V
+    "lm_head.weight": Kind(P(None, "model"), contract=(0,), scale_spec=P("model")),   # keep axis V
     "model.norm.weight": Kind(P(None), float32=True),
-    L_ + "self_attn.qkv_proj.weight": Kind(P(None, None, "model", None, None), contract=(0,), scale_keeps=(1, 2, 3),
+    L_ + "self_attn.qkv_proj.weight": Kind(P(None, None, "model", None, None), contract=(0,),
                                            scale_spec=P(None, "model", None, None)),             # [L, KVH, G+2, D]
     L_ + "self_attn.qkv_proj.bias": Kind(P(None, "model", None, None), float32=True),
     L_ + "self_attn.o_proj.bias": Kind(P(None, None), float32=True),                       # [L, H]
-    L_ + "self_attn.o_proj.weight": Kind(P(None, "model", None, None, None), contract=(0, 1, 2), scale_keeps=(4,),
+    L_ + "self_attn.o_proj.weight": Kind(P(None, "model", None, None, None), contract=(0, 1, 2),
                                          scale_spec=P(None, None)),                               # [L, H]
-    L_ + "mlp.gate_up_proj.weight": Kind(P(None, None, None, "model"), contract=(0,), scale_keeps=(2, 3),
+    L_ + "mlp.gate_up_proj.weight": Kind(P(None, None, None, "model"), contract=(0,),
                                          scale_spec=P(None, None, "model")),
-    L_ + "mlp.down_proj.weight": Kind(P(None, "model", None), contract=(0,), scale_keeps=(2,), scale_spec=P(None, None)),
+    L_ + "mlp.down_proj.weight": Kind(P(None, "model", None), contract=(0,), scale_spec=P(None, None)),
     L_ + "input_layernorm.weight": Kind(P(None, None), float32=True),
     L_ + "post_attention_layernorm.weight": Kind(P(None, None), float32=True),
     L_ + "mlp.gate.weight": Kind(P(None, None, None)),                   # MoE router [L, H, E]
     # MoE experts: E over the expert-parallel axis 'expert' (--ep; meshes without it leave E whole),
     # each expert's I over 'model' (jax_engine/models/moe.py runs them under shard_map)
-    L_ + "mlp.experts.gate_up_proj": Kind(P(None, "expert", None, None, "model")),   # [L, E, H, 2, I]
-    L_ + "mlp.experts.down_proj": Kind(P(None, "expert", "model", None)),            # [L, E, I, H]
+    # int8: per expert and output channel, the scales [L, E, 2, I] and [L, E, H]
+    L_ + "mlp.experts.gate_up_proj.weight": Kind(P(None, "expert", None, None, "model"), contract=(1,),
+                                                 scale_spec=P(None, "expert", None, "model")),   # [L, E, H, 2, I]
+    L_ + "mlp.experts.down_proj.weight": Kind(P(None, "expert", "model", None), contract=(1,),
+                                              scale_spec=P(None, "expert", None)),               # [L, E, I, H]
     L_ + "pre_feedforward_layernorm.weight": Kind(P(None, None), float32=True),     # Gemma's sandwich norms
     L_ + "post_feedforward_layernorm.weight": Kind(P(None, None), float32=True),
     L_ + "self_attn.q_norm.weight": Kind(P(None, None), float32=True),
@@ -71,6 +73,12 @@ def kind_of(name: str) -> tuple[str, bool]:
     if name.endswith(SCALE):
         return name[:-len(SCALE)] + ".weight", True
     return name, False
+
+
+def scale_name(name: str) -> str:
+    """The name of int8 weight `name`'s scale: "<path>.weight" -> "<path>.scale"."""
+    assert name.endswith(".weight"), name
+    return name[:-len(".weight")] + SCALE
 
 
 def spec_of(name: str) -> P:

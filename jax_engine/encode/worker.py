@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
 from jax_engine.checkpoint.hf import load_tokenizer, read_config
@@ -201,7 +202,7 @@ class EmbedWorker:
         spec = spec if isinstance(spec, ResolvedSpec) else resolve(spec, args)
         self.spec, self.args = spec, args
         dtype = spec.dtype
-        self.cfg, self.params = bert.load_encoder(spec.path, dtype, task=spec.task)
+        self.cfg, model = bert.load_encoder(spec.path, dtype, task=spec.task)
         self.tokenizer = load_tokenizer(spec.path)
         # Fast tokenizers mutate their truncation state per call and fail ("Already borrowed")
         # when two threads call at once; submit runs on callers' threads, so serialize it.
@@ -217,8 +218,9 @@ class EmbedWorker:
         # (why `auto` does not time encoders: jax_engine/kernels/choose.py, configure_encoder)
         self.cfg.matmul_plan = cpu_matmul.configure_encoder(
             args.cpu_matmul, backend.platform(), backend.DTYPE_NAMES[dtype], 1, bert.matrix_dims(self.cfg))
-        self.num_params = bert.count_params(self.params)         # the checkpoint's, before any packed copy
-        self.params = bert.pack_for_kernel(self.params, self.cfg)
+        self.num_params = bert.count_params(model)               # the checkpoint's, before any packed copy
+        # split once: the bucket programs close over the graph definition and take the state pytree
+        self.graphdef, self.params = nnx.split(bert.pack_for_kernel(model, self.cfg))
         self.programs = ProgramCache(f"embed:{spec.name}")
         self.programs.register("forward", jax.jit(self._forward))
         self.matryoshka_dims = _matryoshka_dimensions(spec.path, self.cfg) if self.cfg.task == "embed" else []
@@ -238,8 +240,12 @@ class EmbedWorker:
 
     # --- setup --------------------------------------------------------------------------------
 
-    def _forward(self, params: dict, ids: jax.Array, types: jax.Array, mask: jax.Array) -> jax.Array:
-        return bert.forward(params, self.cfg, ids, types, mask)
+    def _forward(self, params: nnx.State, ids: jax.Array, types: jax.Array, mask: jax.Array) -> jax.Array:
+        return bert.forward(nnx.merge(self.graphdef, params), self.cfg, ids, types, mask)
+
+    def model(self) -> bert.EncoderModel:
+        """The encoder module over the served parameters (for inspection)."""
+        return nnx.merge(self.graphdef, self.params)
 
     def _build_info(self, dtype: str) -> ModelInfo:
         if self.spec.tp > 1 or self.spec.replicas > 1:

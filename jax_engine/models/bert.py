@@ -1,11 +1,15 @@
-"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa) as plain JAX functions.
+"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa) as flax.nnx modules.
 
-Why plain functions over a params pytree rather than flax.linen modules: the serving path needs
-exactly one thing from a model, a pure `forward(params, batch)` that `jax.jit` can lower once per
-bucket. A dict of arrays is what the loader streams tensors into (no module init, no shape
-inference from a dummy call, no second copy of the weights), and per-layer weights are stacked
-on a leading axis so the layers run under `lax.scan`: XLA compiles one layer body instead of
-N unrolled copies, which keeps warmup (dozens of bucket programs) short.
+The module tree follows the HF checkpoint's names with the layer index dropped and query/key/
+value fused (`embeddings.word_embeddings.weight`, `encoder.layer.attention.qkv.weight`,
+`encoder.layer.output.LayerNorm.bias`, `classifier.out_proj.weight`), so loading is one table
+(`TOP_TENSORS`, `LAYER_TENSORS`: module path <- the HF tensors it is made of). The worker splits
+the module once (nnx.split) and its bucket programs are pure functions of the state pytree, which
+`jax.jit` lowers once per bucket. The loader streams tensors straight into the module's
+parameters (no module init, no shape inference from a dummy call, no second copy of the weights),
+and per-layer weights are stacked on a leading axis so the layers run under `lax.scan`: XLA
+compiles one layer body instead of N unrolled copies, which keeps warmup (dozens of bucket
+programs) short.
 
 Layout choices, all for speed: weights are stored [in, out] so `x @ w` needs no transpose, and
 query/key/value are fused into one [hidden, 3*hidden] matmul. LayerNorm, softmax and pooling
@@ -14,13 +18,15 @@ run in float32 whatever the weight dtype, as HF does under autocast.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jax_engine.checkpoint.hf import CheckpointError, CheckpointReader, read_config
 from jax_engine.executor import backend
@@ -206,8 +212,8 @@ def _read_json(path: str) -> Optional[object]:
 
 
 def load_encoder(path: str, dtype: str = "float32", task: Optional[str] = None,
-                 ) -> tuple[EncoderConfig, dict]:
-    """Config and device params of the encoder in an HF folder, streamed tensor by tensor.
+                 ) -> tuple[EncoderConfig, "EncoderModel"]:
+    """Config and the nnx module of the encoder in an HF folder, streamed tensor by tensor.
 
     Each tensor is read from the safetensors mmap, cast, and put on the device before the next
     is read; per-layer tensors of one kind are stacked on the host (one [layers, ...] buffer at a
@@ -215,13 +221,68 @@ def load_encoder(path: str, dtype: str = "float32", task: Optional[str] = None,
     """
     cfg = parse_config(read_config(path), path, task=task, dtype=dtype)
     reader = CheckpointReader(path)
-    prefix = _find_prefix(reader)
-    np_dtype = np.dtype(backend.DTYPE_NAMES[dtype])
-    load = _TensorLoader(reader, prefix, np_dtype)
-    params = {"embeddings": _load_embeddings(load, cfg), "layers": _load_layers(load, cfg)}
+    load = _TensorLoader(reader, _find_prefix(reader), np.dtype(backend.DTYPE_NAMES[dtype]))
+    dims = {"h": cfg.hidden_size, "i": cfg.intermediate_size, "v": cfg.vocab_size, "p": cfg.max_position_embeddings,
+            "t": cfg.type_vocab_size, "n": cfg.num_labels}
+    tensors = {}
+    for name, (sources, shape, linear) in TOP_TENSORS.items():
+        tensors[name] = jax.device_put(load.joined(sources, tuple(dims[d] for d in shape), linear))
+    for name, (sources, shape, linear) in LAYER_TENSORS.items():
+        hf_shape = tuple(dims[d] for d in shape)
+        tensors["encoder.layer." + name] = jax.device_put(np.stack([
+            load.joined([f"encoder.layer.{i}.{s}" for s in sources], hf_shape, linear) for i in range(cfg.num_layers)]))
     if cfg.task == "classify":
-        params["head"] = _load_head(load, cfg)
-    return cfg, params
+        bert_head = (load.prefix + "pooler.dense", "classifier")
+        names = bert_head if cfg.family == "bert" else ("classifier.dense", "classifier.out_proj")
+        for mod, hf in zip(("classifier.dense", "classifier.out_proj"), names):
+            out = "h" if mod == "classifier.dense" else "n"
+            tensors[mod + ".weight"] = jax.device_put(load.joined([hf + ".weight"], (dims[out], dims["h"]), True, bare=True))
+            tensors[mod + ".bias"] = jax.device_put(load.joined([hf + ".bias"], (dims[out],), False, bare=True))
+    return cfg, build(tensors)
+
+
+# module path <- (the HF tensors it is made of, concatenated on the output axis; their HF shape in
+# dims h(idden), i(ntermediate), v(ocab), p(ositions), t(oken types); an [out, in] linear weight,
+# stored [in, out]). Layer tensors are named within "encoder.layer.{i}." and stacked.
+TOP_TENSORS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
+    "embeddings.word_embeddings.weight": (("embeddings.word_embeddings.weight",), ("v", "h"), False),
+    "embeddings.position_embeddings.weight": (("embeddings.position_embeddings.weight",), ("p", "h"), False),
+    "embeddings.token_type_embeddings.weight": (("embeddings.token_type_embeddings.weight",), ("t", "h"), False),
+    "embeddings.LayerNorm.weight": (("embeddings.LayerNorm.weight",), ("h",), False),
+    "embeddings.LayerNorm.bias": (("embeddings.LayerNorm.bias",), ("h",), False),
+}
+LAYER_TENSORS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
+    "attention.qkv.weight": (tuple(f"attention.self.{n}.weight" for n in ("query", "key", "value")), ("h", "h"), True),
+    "attention.qkv.bias": (tuple(f"attention.self.{n}.bias" for n in ("query", "key", "value")), ("h",), False),
+    **{f"{m}.{p}": ((f"{m}.{p}",), shape, p == "weight" and "LayerNorm" not in m)
+       for m, shapes in (("attention.output.dense", (("h", "h"), ("h",))), ("attention.output.LayerNorm", (("h",), ("h",))),
+                         ("intermediate.dense", (("i", "h"), ("i",))), ("output.dense", (("h", "i"), ("h",))),
+                         ("output.LayerNorm", (("h",), ("h",))))
+       for p, shape in zip(("weight", "bias"), shapes)},
+}
+
+
+def build(tensors: dict[str, Any]) -> "EncoderModel":
+    """The module over `tensors` ({module path: array}); the head exists for cross-encoders."""
+    t = dict(tensors)
+
+    def dense(path: str, name: str = "") -> Dense:
+        return Dense(name, t.pop(path + ".weight"), t.pop(path + ".bias"))
+
+    def ln(path: str) -> LayerNorm:
+        return LayerNorm(t.pop(path + ".weight"), t.pop(path + ".bias"))
+
+    E, L = "embeddings.", "encoder.layer."
+    emb = Embeddings(t.pop(E + "word_embeddings.weight"), t.pop(E + "position_embeddings.weight"),
+                     t.pop(E + "token_type_embeddings.weight"), ln(E + "LayerNorm"))
+    attn_out = AttentionOutput(dense(L + "attention.output.dense", "attn_out_w"), ln(L + "attention.output.LayerNorm"))
+    layer = Layer(Attention(dense(L + "attention.qkv", "qkv_w"), attn_out),
+                  Intermediate(dense(L + "intermediate.dense", "ffn_in_w")),
+                  Output(dense(L + "output.dense", "ffn_out_w"), ln(L + "output.LayerNorm")))
+    head = Classifier(dense("classifier.dense"), dense("classifier.out_proj")) if "classifier.dense.weight" in t else None
+    if t:
+        raise ValueError(f"tensors the encoder has no place for: {sorted(t)}")
+    return EncoderModel(emb, Encoder(layer), head)
 
 
 def _find_prefix(reader: CheckpointReader) -> str:
@@ -240,21 +301,17 @@ class _TensorLoader:
         self.reader, self.prefix, self.dtype = reader, prefix, dtype
 
     def host(self, name: str, shape: tuple, linear: bool = False, bare: bool = False) -> np.ndarray:
-        """One tensor as a host array in the final dtype; `linear` flips [out, in] to [in, out]."""
+        """One tensor (`shape` as HF stores it) as a host array in the final dtype; `linear`
+        flips [out, in] to [in, out]."""
         full = name if bare else self.prefix + name
         found = self.reader.find(full, *_legacy_names(full)) or full
-        hf_shape = (shape[1], shape[0]) if linear else shape
-        arr = self.reader.get(found, hf_shape)
+        arr = self.reader.get(found, shape)
         return np.asarray(arr.T if linear else arr).astype(self.dtype)
 
-    def device(self, name: str, shape: tuple, linear: bool = False, bare: bool = False) -> jax.Array:
-        return jax.device_put(self.host(name, shape, linear, bare))
-
-    def stacked(self, names: list[str], shape: tuple, linear: bool = False) -> jax.Array:
-        buf = np.empty((len(names),) + shape, self.dtype)
-        for i, n in enumerate(names):
-            buf[i] = self.host(n, shape, linear)
-        return jax.device_put(buf)
+    def joined(self, names: list[str] | tuple[str, ...], shape: tuple, linear: bool, bare: bool = False) -> np.ndarray:
+        """Tensors of one HF shape concatenated on the output axis (query, key, value -> qkv)."""
+        parts = [self.host(n, shape, linear, bare) for n in names]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
 
 def _legacy_names(name: str) -> list[str]:
@@ -265,82 +322,6 @@ def _legacy_names(name: str) -> list[str]:
     return []
 
 
-def _load_embeddings(load: _TensorLoader, c: EncoderConfig) -> dict:
-    h = c.hidden_size
-    return {
-        "word": load.device("embeddings.word_embeddings.weight", (c.vocab_size, h)),
-        "position": load.device("embeddings.position_embeddings.weight", (c.max_position_embeddings, h)),
-        "token_type": load.device("embeddings.token_type_embeddings.weight", (c.type_vocab_size, h)),
-        "ln_scale": load.device("embeddings.LayerNorm.weight", (h,)),
-        "ln_bias": load.device("embeddings.LayerNorm.bias", (h,)),
-    }
-
-
-def _load_layers(load: _TensorLoader, c: EncoderConfig) -> dict:
-    h, inter, n = c.hidden_size, c.intermediate_size, c.num_layers
-    layer = [f"encoder.layer.{i}." for i in range(n)]
-
-    def stacked(suffix: str, shape: tuple, linear: bool = False) -> jax.Array:
-        return load.stacked([p + suffix for p in layer], shape, linear)
-
-    return {
-        "qkv_w": _stacked_qkv(load, layer, "weight", (h, h), linear=True),
-        "qkv_b": _stacked_qkv(load, layer, "bias", (h,)),
-        "attn_out_w": stacked("attention.output.dense.weight", (h, h), linear=True),
-        "attn_out_b": stacked("attention.output.dense.bias", (h,)),
-        "attn_ln_scale": stacked("attention.output.LayerNorm.weight", (h,)),
-        "attn_ln_bias": stacked("attention.output.LayerNorm.bias", (h,)),
-        "ffn_in_w": stacked("intermediate.dense.weight", (h, inter), linear=True),
-        "ffn_in_b": stacked("intermediate.dense.bias", (inter,)),
-        "ffn_out_w": stacked("output.dense.weight", (inter, h), linear=True),
-        "ffn_out_b": stacked("output.dense.bias", (h,)),
-        "ffn_ln_scale": stacked("output.LayerNorm.weight", (h,)),
-        "ffn_ln_bias": stacked("output.LayerNorm.bias", (h,)),
-    }
-
-
-def _stacked_qkv(load: _TensorLoader, layer: list[str], kind: str, shape: tuple,
-                 linear: bool = False) -> jax.Array:
-    """[layers, ..., 3*hidden]: query, key, value concatenated on the output axis."""
-    out_axis = len(shape) - 1
-    fused = shape[:-1] + (3 * shape[-1],)
-    buf = np.empty((len(layer),) + fused, load.dtype)
-    for i, p in enumerate(layer):
-        parts = [load.host(f"{p}attention.self.{qkv}.{kind}", shape, linear) for qkv in ("query", "key", "value")]
-        buf[i] = np.concatenate(parts, axis=out_axis)
-    return jax.device_put(buf)
-
-
-def _load_head(load: _TensorLoader, c: EncoderConfig) -> dict:
-    """Both heads are dense+tanh on the first token then a linear layer, so one layout serves."""
-    h, nl = c.hidden_size, c.num_labels
-    if c.family == "bert":
-        names = (load.prefix + "pooler.dense", "classifier")
-    else:
-        names = ("classifier.dense", "classifier.out_proj")
-    return {
-        "dense_w": load.device(f"{names[0]}.weight", (h, h), linear=True, bare=True),
-        "dense_b": load.device(f"{names[0]}.bias", (h,), bare=True),
-        "out_w": load.device(f"{names[1]}.weight", (h, nl), linear=True, bare=True),
-        "out_b": load.device(f"{names[1]}.bias", (nl,), bare=True),
-    }
-
-
-def count_params(params: dict) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
-
-
-# ---------------------------------------------------------------------------------------------
-# forward
-
-
-def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    x = x.astype(jnp.float32)
-    mean = x.mean(-1, keepdims=True)
-    var = jnp.square(x - mean).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-
-
 def _position_ids(c: EncoderConfig, input_ids: jax.Array) -> jax.Array:
     if c.family == "roberta":
         # HF rule: real tokens count up from padding_idx + 1, pad tokens sit at padding_idx.
@@ -349,11 +330,153 @@ def _position_ids(c: EncoderConfig, input_ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
 
 
-def embed_tokens(params: dict, c: EncoderConfig, input_ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
-    e = params["embeddings"]
-    x = (e["word"][input_ids] + e["position"][_position_ids(c, input_ids)]
-         + e["token_type"][token_type_ids])
-    return _layer_norm(x, e["ln_scale"], e["ln_bias"], c.layer_norm_eps)
+# ---------------------------------------------------------------------------------------------
+# the module tree
+
+
+def _param(value: Any) -> nnx.Param:
+    return nnx.Param(value, eager_sharding=False)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, weight: Any, bias: Any):
+        self.weight, self.bias = _param(weight), _param(bias)
+
+    def __call__(self, x: jax.Array, eps: float) -> jax.Array:
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + eps) * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+
+
+class Dense(nnx.Module):
+    """A linear layer, weight [(L,) in, out] (HF's [out, in] transposed at load) and bias; `name`
+    is its routing key (MATRICES) for a stacked layer matrix. `panels` holds the CPU kernel's
+    packed copy when the plan routes it there, in place of `weight` when only the kernel reads it."""
+
+    def __init__(self, name: str, weight: Any, bias: Any):
+        self.name = name
+        self.weight = nnx.data(_param(weight))
+        self.bias = _param(bias)
+        self.panels: Optional[nnx.Param] = nnx.data(None)
+
+    def __call__(self, c: "EncoderConfig", x: jax.Array, li: Optional[jax.Array] = None) -> jax.Array:
+        """x [B, S, K] (or [B, K]) @ this matrix (layer li's, on the path the plan names for the
+        program's row count) + bias."""
+        m = math.prod(x.shape[:-1])
+        if li is not None and c.matmul_plan is not None and c.matmul_plan.path(self.name, m) == "kernel":
+            y = cpu_kernels.linear(x, self.panels[...], li, 1, (matrix_dims(c)[self.name][1],)).astype(x.dtype)
+        else:
+            y = x @ self.weight[...]
+        return y + self.bias[...]
+
+
+class Embed(nnx.Module):
+    def __init__(self, weight: Any):
+        self.weight = _param(weight)
+
+
+class Embeddings(nnx.Module):
+    def __init__(self, word: Any, position: Any, token_type: Any, ln: LayerNorm):
+        self.word_embeddings, self.position_embeddings = Embed(word), Embed(position)
+        self.token_type_embeddings, self.LayerNorm = Embed(token_type), ln
+
+    def __call__(self, c: "EncoderConfig", input_ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
+        x = (self.word_embeddings.weight[...][input_ids] + self.position_embeddings.weight[...][_position_ids(c, input_ids)]
+             + self.token_type_embeddings.weight[...][token_type_ids])
+        return self.LayerNorm(x, c.layer_norm_eps)
+
+
+class AttentionOutput(nnx.Module):
+    def __init__(self, dense: Dense, ln: LayerNorm):
+        self.dense, self.LayerNorm = dense, ln
+
+
+class Attention(nnx.Module):
+    def __init__(self, qkv: Dense, output: AttentionOutput):
+        self.qkv, self.output = qkv, output
+
+
+class Intermediate(nnx.Module):
+    def __init__(self, dense: Dense):
+        self.dense = dense
+
+
+class Output(nnx.Module):
+    def __init__(self, dense: Dense, ln: LayerNorm):
+        self.dense, self.LayerNorm = dense, ln
+
+
+class Layer(nnx.Module):
+    """Every encoder layer, each parameter stacked on a leading layer axis."""
+
+    def __init__(self, attention: Attention, intermediate: Intermediate, output: Output):
+        self.attention, self.intermediate, self.output = attention, intermediate, output
+
+    def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array, li: jax.Array) -> jax.Array:
+        """One post-LN block (this layer's slice). x: [B, S, H] float32 residual stream; weights in
+        the model dtype."""
+        at = self.attention
+        dt = at.qkv.bias[...].dtype
+        b, s, h = x.shape
+        qkv = at.qkv(c, x.astype(dt), li)
+        q, k, v = jnp.split(qkv.reshape(b, s, 3, c.num_heads, c.head_dim), 3, axis=2)
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(scores / np.sqrt(c.head_dim) + mask_bias, axis=-1)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dt), v).reshape(b, s, h)
+        attn = at.output.dense(c, ctx, li)
+        x = at.output.LayerNorm(x + attn.astype(jnp.float32), c.layer_norm_eps)
+        inner = _ACTIVATIONS[c.hidden_act](self.intermediate.dense(c, x.astype(dt), li))
+        out = self.output.dense(c, inner, li)
+        return self.output.LayerNorm(x + out.astype(jnp.float32), c.layer_norm_eps)
+
+
+class Encoder(nnx.Module):
+    def __init__(self, layer: Layer):
+        self.layer = layer
+
+    def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array) -> jax.Array:
+        # packed panels pass whole (the kernel takes the layer index), so the scan does not slice them
+        gd, whole, sliced = nnx.split(self.layer, lambda p, _: p[-1] == "panels", ...)
+
+        def body(carry: tuple[jax.Array, jax.Array], st) -> tuple[tuple[jax.Array, jax.Array], None]:
+            x, li = carry
+            return (nnx.merge(gd, whole, st)(c, x, mask_bias, li), li + 1), None
+
+        (x, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), sliced, length=c.num_layers)
+        return x
+
+
+class Classifier(nnx.Module):
+    """Both HF heads are dense + tanh on the first token then a linear layer: one module serves
+    (BERT's pooler.dense + classifier, RoBERTa's classifier.dense + classifier.out_proj)."""
+
+    def __init__(self, dense: Dense, out_proj: Dense):
+        self.dense, self.out_proj = dense, out_proj
+
+    def __call__(self, c: "EncoderConfig", hidden: jax.Array) -> jax.Array:
+        dt = self.dense.weight[...].dtype
+        x = jnp.tanh(self.dense(c, hidden[:, 0].astype(dt)))
+        return self.out_proj(c, x).astype(jnp.float32)
+
+
+class EncoderModel(nnx.Module):
+    """A BERT-family encoder as served: embeddings, the stacked layers, and (cross-encoders) the
+    classification head. Parameter paths follow HF's with the layer index dropped and
+    query/key/value fused (`encoder.layer.attention.qkv.weight`)."""
+
+    def __init__(self, embeddings: Embeddings, encoder: Encoder, classifier: Optional[Classifier]):
+        self.embeddings, self.encoder = embeddings, encoder
+        self.classifier = nnx.data(classifier)
+
+    def encode(self, c: "EncoderConfig", input_ids: jax.Array, token_type_ids: jax.Array,
+               attention_mask: jax.Array) -> jax.Array:
+        """Last hidden state [B, S, H] float32. Inputs are [B, S] int32, right padded."""
+        x = self.embeddings(c, input_ids, token_type_ids)
+        # Finite large negative (not -inf) so an all-padding row of a bucket stays NaN-free.
+        mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+        return self.encoder(c, x, mask_bias)
 
 
 MATRICES = ("qkv_w", "attn_out_w", "ffn_in_w", "ffn_out_w")
@@ -365,69 +488,38 @@ def matrix_dims(c: EncoderConfig) -> dict[str, tuple[int, int]]:
     return {"qkv_w": (h, 3 * h), "attn_out_w": (h, h), "ffn_in_w": (h, i), "ffn_out_w": (i, h)}
 
 
-def _paths(c: EncoderConfig, name: str) -> frozenset[str]:
-    return c.matmul_plan.layouts(name) if c.matmul_plan is not None else frozenset({"xla"})
+def layer_matrices(model: "EncoderModel") -> dict[str, "Dense"]:
+    ly = model.encoder.layer
+    return {"qkv_w": ly.attention.qkv, "attn_out_w": ly.attention.output.dense, "ffn_in_w": ly.intermediate.dense,
+            "ffn_out_w": ly.output.dense}
 
 
-def pack_for_kernel(params: dict, c: EncoderConfig) -> dict:
-    """The matrices the plan routes to the CPU kernel get packed panels ("<name>_panels"); one only
-    the kernel serves loses its XLA layout. Unchanged without a plan."""
+def pack_for_kernel(model: "EncoderModel", c: EncoderConfig) -> "EncoderModel":
+    """The matrices the plan routes to the CPU kernel get packed panels; one only the kernel
+    serves loses its XLA layout. Unchanged without a plan. In place; returns the model."""
     if c.matmul_plan is None:
-        return params
-    layers = dict(params["layers"])
-    for name in MATRICES:
-        paths = _paths(c, name)
+        return model
+    for name, d in layer_matrices(model).items():
+        paths = c.matmul_plan.layouts(name)
         if "kernel" in paths:
-            layers[name + "_panels"] = cpu_kernels.pack(layers[name], 1, stacked=True,
-                                                        pairs=layers[name].dtype == jnp.bfloat16)
+            w = d.weight[...]
+            d.panels = _param(cpu_kernels.pack(w, 1, stacked=True, pairs=w.dtype == jnp.bfloat16))
             if "xla" not in paths:
-                del layers[name]
-    return {**params, "layers": layers}
+                d.weight = None
+    return model
 
 
-def _matmul(c: EncoderConfig, x: jax.Array, w: dict, panels: dict, li: jax.Array, name: str) -> jax.Array:
-    """x [B, S, K] @ matrix `name` of layer li, by the path the plan names for B x S rows."""
-    m = x.shape[0] * x.shape[1]
-    if c.matmul_plan is not None and c.matmul_plan.path(name, m) == "kernel":
-        return cpu_kernels.linear(x, panels[name], li, 1, (matrix_dims(c)[name][1],)).astype(x.dtype)
-    return x @ w[name]
+def count_params(model: "EncoderModel") -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(nnx.state(model))))
 
 
-def _encoder_layer(c: EncoderConfig, x: jax.Array, mask_bias: jax.Array, w: dict, panels: dict,
-                   li: jax.Array) -> jax.Array:
-    """One post-LN block. x: [B, S, H] float32 residual stream; weights in the model dtype."""
-    dt = w["qkv_b"].dtype
-    b, s, h = x.shape
-    qkv = _matmul(c, x.astype(dt), w, panels, li, "qkv_w") + w["qkv_b"]
-    q, k, v = jnp.split(qkv.reshape(b, s, 3, c.num_heads, c.head_dim), 3, axis=2)
-    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(scores / np.sqrt(c.head_dim) + mask_bias, axis=-1)
-    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dt), v).reshape(b, s, h)
-    attn = _matmul(c, ctx, w, panels, li, "attn_out_w") + w["attn_out_b"]
-    x = _layer_norm(x + attn.astype(jnp.float32), w["attn_ln_scale"], w["attn_ln_bias"], c.layer_norm_eps)
-    inner = _ACTIVATIONS[c.hidden_act](_matmul(c, x.astype(dt), w, panels, li, "ffn_in_w") + w["ffn_in_b"])
-    out = _matmul(c, inner, w, panels, li, "ffn_out_w") + w["ffn_out_b"]
-    return _layer_norm(x + out.astype(jnp.float32), w["ffn_ln_scale"], w["ffn_ln_bias"], c.layer_norm_eps)
-
-
-def encode(params: dict, c: EncoderConfig, input_ids: jax.Array, token_type_ids: jax.Array,
-           attention_mask: jax.Array) -> jax.Array:
-    """Last hidden state [B, S, H] float32. Inputs are [B, S] int32, right padded."""
-    x = embed_tokens(params, c, input_ids, token_type_ids)
-    # Finite large negative (not -inf) so an all-padding row of a bucket stays NaN-free.
-    mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
-    # packed panels pass whole (the kernel takes the layer index), so the scan does not slice them
-    layers = params["layers"]
-    panels = {k[:-len("_panels")]: v for k, v in layers.items() if k.endswith("_panels")}
-    sliced = {k: v for k, v in layers.items() if not k.endswith("_panels")}
-
-    def body(carry: tuple[jax.Array, jax.Array], w: dict) -> tuple[tuple[jax.Array, jax.Array], None]:
-        x, li = carry
-        return (_encoder_layer(c, x, mask_bias, w, panels, li), li + 1), None
-
-    (x, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), sliced)
-    return x
+def forward(model: "EncoderModel", c: EncoderConfig, input_ids: jax.Array, token_type_ids: jax.Array,
+            attention_mask: jax.Array) -> jax.Array:
+    """What a served encoder returns: pooled vectors [B, H] or classifier logits [B, num_labels]."""
+    hidden = model.encode(c, input_ids, token_type_ids, attention_mask)
+    if c.task == "classify":
+        return model.classifier(c, hidden)
+    return pool(c, hidden, attention_mask)
 
 
 def pool(c: EncoderConfig, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
@@ -439,23 +531,6 @@ def pool(c: EncoderConfig, hidden: jax.Array, attention_mask: jax.Array) -> jax.
         return (hidden * m[..., None]).sum(1) / jnp.maximum(m.sum(1, keepdims=True), 1e-9)
     last = jnp.maximum(attention_mask.sum(1) - 1, 0)  # right padding: last real token
     return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-
-
-def classify(params: dict, c: EncoderConfig, hidden: jax.Array) -> jax.Array:
-    """Logits [B, num_labels] float32 from the first token."""
-    hd = params["head"]
-    dt = hd["dense_w"].dtype
-    x = jnp.tanh(hidden[:, 0].astype(dt) @ hd["dense_w"] + hd["dense_b"])
-    return (x @ hd["out_w"] + hd["out_b"]).astype(jnp.float32)
-
-
-def forward(params: dict, c: EncoderConfig, input_ids: jax.Array, token_type_ids: jax.Array,
-            attention_mask: jax.Array) -> jax.Array:
-    """What a served encoder returns: pooled vectors [B, H] or classifier logits [B, num_labels]."""
-    hidden = encode(params, c, input_ids, token_type_ids, attention_mask)
-    if c.task == "classify":
-        return classify(params, c, hidden)
-    return pool(c, hidden, attention_mask)
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:

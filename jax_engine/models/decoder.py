@@ -17,7 +17,7 @@ dropped (layers are stacked on a leading axis):
   model.layers.mlp.gate_up_proj.weight            [L, H, 2, I]          (gate_proj, up_proj)
   model.layers.mlp.down_proj.weight               [L, I, H]
   model.layers.mlp.gate.weight                    [L, H, E]             (MoE router)
-  model.layers.mlp.experts.{gate_up_proj,down_proj}  [L, E, H, 2, I], [L, E, I, H]
+  model.layers.mlp.experts.{gate_up_proj,down_proj}.weight  [L, E, H, 2, I], [L, E, I, H]
   model.norm.weight                               [H]
   lm_head.weight                                  [H, V]                (absent when tied)
 
@@ -129,7 +129,7 @@ def kept_whole(path: str, cfg: LlamaConfig, m: int) -> bool:
     sliced per layer: packed panels and a library-sgemm weight are indexed by the layer inside
     the custom call, MoE experts inside models/moe.py; everything else is sliced by the scan."""
     parts = path.split(".")
-    if parts[-1] in ("panels", "panels_scale") or parts[-2] == "experts":
+    if parts[-1] in ("panels", "panels_scale") or "experts" in parts:
         return True
     if parts[-1] == "weight" and parts[-2] in _LINEAR_NAMES:
         return matmul_path(cfg, _LINEAR_NAMES[parts[-2]], m) == "blas"
@@ -172,11 +172,11 @@ class Attention(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Every expert's gate/up and down of every layer, [L, E, H, 2, I] and [L, E, I, H]."""
+    """Every expert's gate/up and down of every layer, [L, E, H, 2, I] and [L, E, I, H] (int8:
+    with per-expert, per-output-channel scales), read by models/moe.py."""
 
-    def __init__(self, gate_up: Any, down: Any):
-        self.gate_up_proj = param("model.layers.mlp.experts.gate_up_proj", gate_up)
-        self.down_proj = param("model.layers.mlp.experts.down_proj", down)
+    def __init__(self, gate_up_proj: Linear, down_proj: Linear):
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
 
 class Router(nnx.Module):
@@ -294,7 +294,7 @@ class CausalLM(nnx.Module):
                 h = ly.post_attention_layernorm(x, cfg.rms_eps)
             if isinstance(ly.mlp, MoE):
                 ex = ly.mlp.experts
-                d = moe.moe_mlp(h[0], ly.mlp.gate.weight[...], ex.gate_up_proj[...], ex.down_proj[...],
+                d = moe.moe_mlp(h[0], ly.mlp.gate.weight[...], ex.gate_up_proj.xla_weight(), ex.down_proj.xla_weight(),
                                 cfg.experts_per_token, cfg.normalize_top_k, act_fn, layer=li)[None]
                 return x + d, kc, vc, li + 1
             mlp = ly.mlp
@@ -359,7 +359,8 @@ def build(cfg: LlamaConfig, tensors: dict[str, Any]) -> CausalLM:
                      norm(A + "q_norm") if cfg.qk_norm else None, norm(A + "k_norm") if cfg.qk_norm else None)
     if cfg.num_experts:
         mlp: MLP | MoE = MoE(Router(take(L + "mlp.gate.weight")),
-                             Experts(take(L + "mlp.experts.gate_up_proj"), take(L + "mlp.experts.down_proj")))
+                             Experts(lin(L + "mlp.experts.gate_up_proj", "experts_gate_up"),
+                                     lin(L + "mlp.experts.down_proj", "experts_down")))
     else:
         mlp = MLP(lin(L + "mlp.gate_up_proj", "gate_up"), lin(L + "mlp.down_proj", "down"))
     sandwich = cfg.sandwich_norms

@@ -19,7 +19,15 @@ from jax.sharding import Mesh
 
 from jax_engine.checkpoint.converted import is_converted, load_converted
 from jax_engine.checkpoint.hf import CheckpointError, CheckpointReader
-from jax_engine.checkpoint.layout import LAYERS, LAYOUT, QUANTIZABLE, SCALE, quantize_int8, regroup_layer, sharding_for
+from jax_engine.checkpoint.layout import (
+    LAYERS,
+    LAYOUT,
+    QUANTIZABLE,
+    quantize_int8,
+    regroup_layer,
+    scale_name,
+    sharding_for,
+)
 from jax_engine.models import decoder
 from jax_engine.models.llama import LlamaConfig
 
@@ -57,7 +65,8 @@ def rename(hf: str) -> Optional[tuple[str, Any]]:
         m = rx.fullmatch(hf)
         if m:
             which = _MIXTRAL.get(m.group(2), m.group(2))
-            return ("mlp.experts.down_proj" if which == "down" else "mlp.experts.gate_up_proj"), (which, int(m.group(1)))
+            target = "mlp.experts.down_proj.weight" if which == "down" else "mlp.experts.gate_up_proj.weight"
+            return target, (which, int(m.group(1)))
     return None
 
 
@@ -96,8 +105,8 @@ FUSE: dict[str, Callable[[dict, LlamaConfig], np.ndarray]] = {
     L_ + "mlp.gate_up_proj.weight": _gate_up,
     L_ + "mlp.down_proj.weight": lambda p, c: p.T,
     L_ + "mlp.gate.weight": lambda p, c: p.T,                      # router [H, E]
-    L_ + "mlp.experts.gate_up_proj": lambda p, c: _experts(p, c, down=False),
-    L_ + "mlp.experts.down_proj": lambda p, c: _experts(p, c, down=True),
+    L_ + "mlp.experts.gate_up_proj.weight": lambda p, c: _experts(p, c, down=False),
+    L_ + "mlp.experts.down_proj.weight": lambda p, c: _experts(p, c, down=True),
 }
 
 
@@ -194,7 +203,7 @@ class _Builder:
     def _parts(self, name: str, arr: np.ndarray) -> dict[str, np.ndarray]:
         if self.quantize == "int8" and name in QUANTIZABLE:
             q, s = quantize_int8(arr, LAYOUT[name].contract)
-            return {name: q, name[:-len(".weight")] + SCALE: s}
+            return {name: q, scale_name(name): s}
         return {name: self._cast(name, arr)}
 
     def put_top(self, name: str, arr: np.ndarray) -> None:

@@ -4,7 +4,11 @@
 Routing as transformers does it: softmax over the router logits (float32), the top k experts,
 their weights renormalised to sum to 1 (Mixtral always, Qwen3-MoE when norm_topk_prob); each
 token's output is the routing-weighted sum of its k experts' SwiGLU FFNs.
-Weights (per layer): router [H, E]; experts_gate_up [E, H, 2, I]; experts_down [E, I, H].
+Weights (per layer): router [H, E]; experts_gate_up [E, H, 2, I]; experts_down [E, I, H]. With
+--quantize int8 each expert matrix is {"q": int8, "s": float32 scale per expert and output channel}
+([E, 2, I] and [E, H]): the sorted dispatch widens only the block's own expert to the activation
+dtype inside its loop and scales the float32 accumulator, so an int8 step reads a quarter of the
+float32 expert bytes; the ragged and dense formulations dequantise the layer's experts first.
 
 The expert FFN has three formulations here (`METHODS`), measured by benchmarks/moe_dispatch.py:
   ragged  the T*k (token, expert) pairs sorted by expert, two `jax.lax.ragged_dot` grouped GEMMs.
@@ -54,7 +58,7 @@ EP 4 give the logits of one device within 1e-4 and the same greedy tokens.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -92,9 +96,26 @@ def default_block(pairs: int, experts: int) -> int:
     return min(32, 1 << (-(-2 * pairs // experts) - 1).bit_length())
 
 
-def _layer(w: jax.Array, layer) -> jax.Array:
+Weight = Union[jax.Array, dict]     # an array, or weight-only int8 {"q", "s"}
+
+
+def _q(w: Weight) -> jax.Array:
+    return w["q"] if isinstance(w, dict) else w
+
+
+def _layer(w: Weight, layer) -> Weight:
     """One layer of a stacked weight (layer None: `w` is one layer already)."""
-    return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+    if layer is None:
+        return w
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w)
+
+
+def _dense(w: Weight, dtype) -> jax.Array:
+    """One layer's experts [E, K..., N...] in `dtype` (int8 scaled per expert and output channel)."""
+    if not isinstance(w, dict):
+        return w.astype(dtype)
+    s = w["s"].reshape(w["s"].shape[:1] + (1,) + w["s"].shape[1:])            # [E, 1, N...]
+    return (w["q"].astype(jnp.float32) * s).astype(dtype)
 
 
 def experts_sorted(h: jax.Array, top_v: jax.Array, top_i: jax.Array, gate_up: jax.Array, down: jax.Array,
@@ -106,7 +127,7 @@ def experts_sorted(h: jax.Array, top_v: jax.Array, top_i: jax.Array, gate_up: ja
     is copied whole before the loop can read it, every step (400 MB a layer for the benchmark
     model: 88 vs 4 ms a layer at T = 1)."""
     T, H = h.shape
-    E, _, _, I = gate_up.shape[-4:]
+    E, _, _, I = _q(gate_up).shape[-4:]
     k = top_i.shape[1]
     N = T * k
     B = block or default_block(N, E)
@@ -129,14 +150,18 @@ def experts_sorted(h: jax.Array, top_v: jax.Array, top_i: jax.Array, gate_up: ja
         start = lead + (ex,) + (0,) * (w.ndim - len(lead) - 1)
         return jax.lax.dynamic_slice(w, start, (1,) * (len(lead) + 1) + w.shape[len(lead) + 1:])
 
+    def matmul(xb: jax.Array, w: Weight, ex, k_: int, n: int) -> jax.Array:
+        """xb [B, k_] @ expert ex's [k_, n] matrix, float32 (int8: widened in the loop, the
+        accumulator scaled per output channel)."""
+        y = jnp.dot(xb, expert(_q(w), ex).reshape(k_, n).astype(h.dtype), preferred_element_type=jnp.float32)
+        return y * expert(w["s"], ex).reshape(n) if isinstance(w, dict) else y
+
     def body(j, y):
         xb = jax.lax.dynamic_slice_in_dim(x, j * B, B)
         ex = blk_expert[j]
-        wg = expert(gate_up, ex).reshape(H, 2 * I).astype(h.dtype)
-        g = jnp.dot(xb, wg, preferred_element_type=jnp.float32).astype(h.dtype).reshape(B, 2, I)
+        g = matmul(xb, gate_up, ex, H, 2 * I).astype(h.dtype).reshape(B, 2, I)
         a = act(g[:, 0]) * g[:, 1]
-        wd = expert(down, ex).reshape(I, H).astype(h.dtype)
-        yb = jnp.dot(a, wd, preferred_element_type=jnp.float32).astype(h.dtype)
+        yb = matmul(a, down, ex, I, H).astype(h.dtype)
         return jax.lax.dynamic_update_slice_in_dim(y, yb, j * B, 0)
 
     y = jax.lax.fori_loop(0, blk_end[-1], body, jnp.zeros((R, H), h.dtype))
@@ -148,7 +173,7 @@ def experts_sorted(h: jax.Array, top_v: jax.Array, top_i: jax.Array, gate_up: ja
 def experts_ragged(h: jax.Array, top_v: jax.Array, top_i: jax.Array, gate_up: jax.Array, down: jax.Array,
                    act: Act, e0=0, layer=None) -> jax.Array:
     """Pairs sorted by expert through two `jax.lax.ragged_dot` grouped GEMMs."""
-    gate_up, down = _layer(gate_up, layer), _layer(down, layer)
+    gate_up, down = _dense(_layer(gate_up, layer), h.dtype), _dense(_layer(down, layer), h.dtype)
     T, H = h.shape
     E, _, _, I = gate_up.shape
     k = top_i.shape[1]
@@ -167,7 +192,7 @@ def experts_ragged(h: jax.Array, top_v: jax.Array, top_i: jax.Array, gate_up: ja
 def experts_dense(h: jax.Array, top_v: jax.Array, top_i: jax.Array, gate_up: jax.Array, down: jax.Array,
                   act: Act, e0=0, layer=None) -> jax.Array:
     """Every (local) expert on every token, then the routing-weighted sum over the experts."""
-    gate_up, down = _layer(gate_up, layer), _layer(down, layer)
+    gate_up, down = _dense(_layer(gate_up, layer), h.dtype), _dense(_layer(down, layer), h.dtype)
     T, H = h.shape
     E = gate_up.shape[0]
     e = _local_pairs(top_i, e0, E).reshape(top_i.shape)                       # [T, k]
@@ -203,15 +228,16 @@ def _parallel_mesh(w: jax.Array):
     return mesh if any(shape.get(a, 1) > 1 for a in PARALLEL_AXES) else None
 
 
-def moe_mlp(h: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, top_k: int, normalize: bool,
+def moe_mlp(h: jax.Array, router: jax.Array, gate_up: Weight, down: Weight, top_k: int, normalize: bool,
             act: Act, method: Optional[str] = None, layer=None) -> jax.Array:
     """h [T, H] -> [T, H] (method None: `choose_method` for this T). gate_up [E, H, 2, I] and
     down [E, I, H] of this layer, or with `layer` (an int32 scalar) the stacked [L, E, ...]
-    weights of every layer (see `experts_sorted`: no per-layer copy); router is this layer's."""
+    weights of every layer (see `experts_sorted`: no per-layer copy), each an array or int8
+    {"q", "s"}; router is this layer's."""
     T = h.shape[0]
-    E = gate_up.shape[-4]
+    E = _q(gate_up).shape[-4]
     method = method or choose_method(T, E, top_k)
-    mesh = _parallel_mesh(gate_up)
+    mesh = _parallel_mesh(_q(gate_up))
     if mesh is None:
         top_v, top_i = route(h, router, top_k, normalize)
         return expert_ffn(method, h, top_v, top_i, gate_up, down, act, layer=layer)
@@ -229,6 +255,10 @@ def moe_mlp(h: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array
         y = expert_ffn(method, h, top_v, top_i, gate_up, down, act, e0=e0, layer=li if stacked else None)
         return jax.lax.psum(y.astype(jnp.float32), axes).astype(h.dtype)
 
-    specs = (P(), P(), P(*lead, e_ax, None, None, i_ax), P(*lead, e_ax, i_ax, None), P())
+    gu_spec, dn_spec = P(*lead, e_ax, None, None, i_ax), P(*lead, e_ax, i_ax, None)
+    if isinstance(gate_up, dict):                    # scales [(L,) E, 2, I] and [(L,) E, H]
+        gu_spec = {"q": gu_spec, "s": P(*lead, e_ax, None, i_ax)}
+        dn_spec = {"q": dn_spec, "s": P(*lead, e_ax, None)}
+    specs = (P(), P(), gu_spec, dn_spec, P())
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
         h, router, gate_up, down, jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32))

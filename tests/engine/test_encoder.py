@@ -152,8 +152,9 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
     assert [(r.weight, r.path) for r in minilm_worker.stats().matmul_routes] == [("all", "xla")]
     spec = ModelSpec(name="minilm-k", path=minilm_path, max_model_len=256)
     w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256, cpu_matmul="kernel"))
-    assert w.cfg.matmul_plan.mode == "kernel" and "qkv_w_panels" in w.params["layers"]
-    assert "qkv_w" not in w.params["layers"]                       # kernel only: XLA's layout dropped
+    qkv = w.model().encoder.layer.attention.qkv
+    assert w.cfg.matmul_plan.mode == "kernel" and qkv.panels is not None
+    assert qkv.weight is None                                      # kernel only: XLA's layout dropped
     w.warmup(progress=False)
     w.start()
     try:
@@ -486,11 +487,32 @@ def test_bfloat16_load_runs(xlmr_dir):
 
     c32, p32 = bert.load_encoder(xlmr_dir, "float32")
     c16, p16 = bert.load_encoder(xlmr_dir, "bfloat16")
-    assert p16["layers"]["qkv_w"].dtype == jax.numpy.bfloat16
-    assert p16["layers"]["qkv_w"].shape == (2, 32, 96)
+    assert p16.encoder.layer.attention.qkv.weight[...].dtype == jax.numpy.bfloat16
+    assert p16.encoder.layer.attention.qkv.weight[...].shape == (2, 32, 96)
     ids = np.array([[0, 5, 6, 7, 2, 1, 1, 1]], np.int32)
     mask = (ids != 1).astype(np.int32)
     zeros = np.zeros_like(ids)
     a = np.asarray(jax.jit(lambda p, *x: bert.forward(p, c32, *x))(p32, ids, zeros, mask))
     b = np.asarray(jax.jit(lambda p, *x: bert.forward(p, c16, *x))(p16, ids, zeros, mask))
     assert cosine_rows(a, b).min() > 0.99
+
+
+def test_module_paths_follow_hf_names(bert_ce_dirs, minilm_path):
+    """The encoder is an nnx module whose parameter paths are the checkpoint's (layer index
+    dropped, query/key/value fused), fed by the loader's tables; the stacked values are the HF
+    tensors' (layer 1's key projection checked), and the head exists only for cross-encoders."""
+    from flax import nnx
+
+    from jax_engine.checkpoint.hf import CheckpointReader
+
+    layer = {"encoder.layer." + n for n in bert.LAYER_TENSORS}
+    head = {f"classifier.{m}.{p}" for m in ("dense", "out_proj") for p in ("weight", "bias")}
+    for path, want in ((bert_ce_dirs[1], set(bert.TOP_TENSORS) | layer | head), (minilm_path, set(bert.TOP_TENSORS) | layer)):
+        cfg, model = bert.load_encoder(path)
+        got = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))}
+        assert got == want
+        h = cfg.hidden_size
+        reader = CheckpointReader(path)
+        key = np.asarray(reader.get(reader.find("bert.encoder.layer.1.attention.self.key.weight",
+                                                "encoder.layer.1.attention.self.key.weight")))
+        np.testing.assert_array_equal(np.asarray(model.encoder.layer.attention.qkv.weight[...][1][:, h:2 * h]), key.T)

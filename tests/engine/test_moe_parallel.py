@@ -1,6 +1,7 @@
 """Expert parallelism (--ep) and tensor parallelism (--tp) of the mixture-of-experts families on CPU
 with 4 forced host devices: EP 2, TP 2, EP 2 x TP 2 and EP 4 agree with 1 device (prefill logits
-within 1e-4, float32; 32 greedy tokens equal), and the expert weights really are sharded.
+within 1e-4, float32; 32 greedy tokens equal), so does EP 2 x TP 2 with int8 experts against int8
+on 1 device, and the expert weights really are sharded.
 
 The forced device count is fixed when JAX initialises, so the engines run in a subprocess: this
 file itself, run as `python -m tests.engine.test_moe_parallel` (nothing at its top level imports jax).
@@ -16,8 +17,9 @@ import numpy as np
 import pytest
 
 FAMILIES = ("mixtral", "qwen3_moe")
-# (tp, ep) per family; 1 x 1 is the reference
-LAYOUTS = {"mixtral": [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)], "qwen3_moe": [(1, 1), (1, 2), (2, 1), (2, 2)]}
+# (tp, ep[, quantize]) per family; 1 x 1 (of the same quantization) is the reference
+LAYOUTS = {"mixtral": [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)],
+           "qwen3_moe": [(1, 1), (1, 2), (2, 1), (2, 2), (1, 1, "int8"), (2, 2, "int8")]}
 DEVICES = 4
 NEW_TOKENS = 32
 
@@ -33,9 +35,9 @@ def res():
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_ep_and_tp_match_one_device(res, fam):
-    base = res[fam]["1x1"]
     for key, r in res[fam].items():
-        if key == "1x1":
+        base = res[fam]["1x1" + key[3:]]                  # "2x2-int8" against "1x1-int8"
+        if key.startswith("1x1"):
             continue
         for i, (got, want) in enumerate(zip(r["logits"], base["logits"])):
             err = float(np.max(np.abs(np.array(got) - np.array(want))))
@@ -48,10 +50,11 @@ def test_experts_are_sharded(res, fam):
     """Each device holds E / ep experts and I / tp of each; attention stays sharded over 'model' only."""
     E = res[fam]["1x1"]["experts"]
     for key, r in res[fam].items():
-        tp, ep = (int(x) for x in key.split("x"))
+        tp, ep = (int(x) for x in key.split("-")[0].split("x"))
         L, e, H, two, inter = r["gate_up_global"]
         assert r["gate_up_shard"] == [L, E // ep, H, two, inter // tp], key
         assert r["down_shard"] == [L, E // ep, inter // tp, H], key
+        assert r["int8"] == key.endswith("int8"), key        # --quantize int8 quantizes the experts
         if tp * ep > 1:
             assert r["mesh"] == ({"data": 1, "expert": ep, "model": tp} if ep > 1 else {"data": 1, "model": tp}), key
             assert len(set(r["devices"])) == tp * ep, key
@@ -99,19 +102,21 @@ def _child() -> None:
         path = tempfile.mkdtemp()
         hf_models.build(fam, path)
         results[fam] = {}
-        for tp, ep in LAYOUTS[fam]:
-            eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp, ep=ep)],
+        for tp, ep, *q in LAYOUTS[fam]:
+            quant = q[0] if q else "none"
+            eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp, ep=ep, quantize=quant)],
                                     cpu_matmul="xla", attention_backend="reference"))
             eng.load_all(progress=False, warmup=False)
             w = eng.worker("m")
             experts = w.replicas[0].runner.model().model.layers.mlp.experts
-            gu, dn = experts.gate_up_proj[...], experts.down_proj[...]
+            gu, dn = experts.gate_up_proj.weight[...], experts.down_proj.weight[...]
             mesh = w.meshes[0]
-            results[fam][f"{tp}x{ep}"] = {
+            results[fam][f"{tp}x{ep}" + ("" if quant == "none" else f"-{quant}")] = {
                 "logits": [engine_logits(w, p).tolist() for p in (PROMPTS[0], PROMPTS[3])],
                 "tokens": asyncio.run(greedy_all(eng, PROMPTS, NEW_TOKENS)),
                 "experts": w.cfg.num_experts,
                 "gate_up_global": list(gu.shape),
+                "int8": str(gu.dtype) == "int8",
                 "gate_up_shard": list(gu.addressable_shards[0].data.shape),
                 "down_shard": list(dn.addressable_shards[0].data.shape),
                 "mesh": dict(mesh.shape) if mesh is not None else None,
