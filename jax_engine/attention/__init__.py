@@ -17,7 +17,7 @@ PartitionSpec)}), `prepare(cfg, inp, page_size)` (per-step metadata, outside the
 G, D] -> same shape; token t sees its row's keys at positions < kv_limit[t] and inside the sliding
 window; padding tokens' outputs are discarded) and `copy_page(cfg, kc, vc, src, dst, page_size)`.
 `LlamaConfig.attention_backend` names it (default `reference`; GenerateWorker sets it from
-`--attention-backend` through `resolve()`); the runner and `llama.forward` both ask `get()`.
+`--attention-backend` through `resolve()`); the runner and the decoder module (models/decoder.py) both ask `get()`.
 
 `--attention-backend` (EngineArgs.attention_backend): `auto` = TPU -> pallas_tpu, GPU ->
 pallas_gpu, CPU -> cpu (tp 1 and the kernels built; else reference); `reference` forces the
