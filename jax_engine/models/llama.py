@@ -32,8 +32,6 @@ from jax_engine.errors import InvalidRequest
 from jax_engine.kernels.plan import MatmulPlan
 from jax_engine.models.registry import DECODERS, architecture_of
 
-Params = dict[str, Any]
-
 
 @dataclass(frozen=True)
 class LlamaConfig:
