@@ -477,6 +477,19 @@ def sec_ragged_step(d: dict, quick: bool) -> list[str]:
                 a, b, q = _pair(s, key)
                 a, b = (x * scale if isinstance(x, (int, float)) else x for x in (a, b))
                 lines.append(f"| {label} | {_f(a, fmt)} | {_f(b, fmt)} | {_x(q)} | – | – | {clean} |")
+        bursts = [x.get("burst_steps") for x in (sat.get("rounds") or {}).get("ragged") or []]
+        if any(isinstance(b, int) for b in bursts):
+            lines.append(f"| steps at the burst budget (`--burst-batched-tokens`) per round | "
+                         f"{', '.join(str(b) for b in bursts)} | – | – | – | – | – |")
+        fl = sat.get("compute_floor") or {}
+        if fl:
+            lines += ["", (f"Compute floor: the workload is {fl['flops'] / 1e12:.2f} TFLOP (every token through every "
+                           f"matrix, the LM head per drawn token, attention at each token's context); at torch's fp32 "
+                           f"matmul rate on this host, {fl['matmul_gflops']:g} GFLOP/s (one probe in a peer process, "
+                           f"this run), no engine completes it faster than {fl['floor_s']:.2f} s = "
+                           f"{fl['max_completed_tok_s']:.1f} tok/s. Ragged reaches {fl['ragged_of_floor']:.0%} of that, "
+                           f"split {fl['split_of_floor']:.0%}; the {RAGGED_GOALS['saturation']:g}× goal asks "
+                           f"{fl['goal_tok_s']:.1f} tok/s = {fl['goal_tok_s'] / fl['max_completed_tok_s']:.0%} of it.")]
     pois = d.get("poisson") or {}
     if pois:
         tt, ti = RAGGED_GOALS["ttft"], RAGGED_GOALS["itl_spread"]

@@ -92,7 +92,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common as C
 from benchmarks import generate_vs_hf as G
-from benchmarks.peer_worker import Peer, PeerError, run_worker
+from benchmarks.peer_worker import Peer, PeerError, probe_limits, run_worker
 from benchmarks.serve_load import arrival_times, sent_rate
 
 NAME = "ragged_step"
@@ -162,6 +162,32 @@ def saturation_metrics(t0: float, recs: list[dict], new_tokens: int) -> dict:
     m["completed_tok_s"] = m.pop("e2e_tok_s", None)
     m["streams"] = len(recs)
     return m
+
+
+def saturation_flops(cfg: dict, streams: int, prompt_len: int, new_tokens: int) -> float:
+    """Floating-point operations of the saturation workload on a Llama-shaped config.json: every
+    token through every layer's matrices (2 per weight), the LM head for each drawn token, and
+    attention (QK and PV, 4 x context x heads x head dim per token and layer) at each token's
+    own context. What any engine must compute, whatever it batches."""
+    H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    nh = cfg["num_attention_heads"]
+    D = cfg.get("head_dim") or H // nh
+    kv = cfg.get("num_key_value_heads") or nh
+    layer_weights = H * (nh + 2 * kv) * D + nh * D * H + 3 * H * cfg["intermediate_size"]
+    tokens = prompt_len + new_tokens - 1                  # the last token is drawn, never fed
+    ctx_sum = tokens * (tokens + 1) / 2                   # sum over positions of the context attended
+    per_stream = 2 * L * layer_weights * tokens + 2 * V * H * new_tokens + 4 * L * nh * D * ctx_sum
+    return float(streams * per_stream)
+
+
+def compute_floor(flops: float, gflops: float | None, streams: int, new_tokens: int) -> dict:
+    """The fastest the saturation workload can complete at a measured matmul rate (no engine can
+    beat it on this host): seconds and completed tokens/s."""
+    if not gflops:
+        return {}
+    s = flops / (gflops * 1e9)
+    return {"flops": flops, "matmul_gflops": gflops, "floor_s": C.rnd(s, 3),
+            "max_completed_tok_s": C.rnd(streams * new_tokens / s, 1)}
 
 
 def compile_delta(before: dict, after: dict) -> dict:
@@ -323,6 +349,10 @@ class EngineWorker:
         got = self.loop.run_until_complete(coro)
         return got, compile_delta(before, self.cmd_counts())
 
+    def _burst_steps(self) -> int | None:
+        """Steps run at the burst budget so far (None: an engine without burst steps)."""
+        return getattr(self.engine.stats(MODEL_NAME), "burst_steps", None)
+
     def cmd_saturation(self, streams: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
         prompts = G.make_prompts(streams, prompt_len, self.vocab, seed)
 
@@ -330,8 +360,11 @@ class EngineWorker:
             t0 = time.perf_counter()
             return t0, await asyncio.gather(*[self._stream(p, new_tokens) for p in prompts])
 
+        bursts = self._burst_steps()
         (t0, recs), delta = self._timed(run())
-        return {**saturation_metrics(t0, recs, new_tokens), "compiles": delta}
+        after = self._burst_steps()
+        return {**saturation_metrics(t0, recs, new_tokens), "compiles": delta,
+                "burst_steps": None if after is None or bursts is None else after - bursts}
 
     def cmd_poisson(self, rate: float, n: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
         prompts = G.make_prompts(n, prompt_len, self.vocab, seed)
@@ -346,8 +379,11 @@ class EngineWorker:
 
             return await asyncio.gather(*[fire(at, p) for at, p in zip(times, prompts)])
 
+        bursts = self._burst_steps()
         recs, delta = self._timed(run())
-        return {**poisson_metrics(recs, rate, new_tokens), "compiles": delta}
+        after = self._burst_steps()
+        return {**poisson_metrics(recs, rate, new_tokens), "compiles": delta,
+                "burst_steps": None if after is None or bursts is None else after - bursts}
 
     def cmd_close(self) -> dict:
         if self.engine is not None:
@@ -519,8 +555,18 @@ class Bench:
             C.log(f"  {warm[name]['headline']}; programs added {warm[name]['compiles']}")
         runs = run_rounds({n: functools.partial(self.saturation, self.procs[n], r["seed"]) for n in TREES},
                           r["saturation_rounds"], "saturation", self.quiet_s)
-        return {"warmup_round": {n: _slim(w) for n, w in warm.items()}, "rounds": runs,
-                "summary": pair_table(runs["ragged"], runs["split"], SATURATION_KEYS)}
+        C.log("compute floor: torch fp32 matmul rate, one probe in a peer process ...")
+        limits = C.combine_limits([probe_limits(0.5 if r["quick"] else 2.0, 3, matmul=True)])
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            flops = saturation_flops(json.load(f), r["streams"], r["prompt_len"], r["new_tokens"])
+        floor = compute_floor(flops, limits.get("torch_matmul_fp32_gflops"), r["streams"], r["new_tokens"])
+        summary = pair_table(runs["ragged"], runs["split"], SATURATION_KEYS)
+        if floor:
+            for side in TREES:
+                floor[f"{side}_of_floor"] = C.rnd((summary["completed_tok_s"][side] or 0) / floor["max_completed_tok_s"], 3)
+            floor["goal_tok_s"] = C.rnd(SATURATION_GOAL * (summary["completed_tok_s"]["split"] or 0), 1)
+        return {"warmup_round": {n: _slim(w) for n, w in warm.items()}, "rounds": runs, "summary": summary,
+                "compute_floor": floor, "limits": limits}
 
     def phase_poisson(self) -> dict:
         r = self.run
@@ -610,6 +656,11 @@ def report_lines(doc: dict) -> list[str]:
         lines.append(f"saturation ({doc['setup']['streams']} streams): completed tok/s ragged {s['ragged']} vs split "
                      f"{s['split']} -> {s['ratio_ragged_over_split']}x (goal >= {SATURATION_GOAL}); steady decode "
                      f"{d['ragged']} vs {d['split']} -> {d['ratio_ragged_over_split']}x")
+        fl = sat.get("compute_floor") or {}
+        if fl:
+            lines.append(f"compute floor at {fl['matmul_gflops']} GFLOP/s (torch fp32 matmul): {fl['floor_s']} s, at most "
+                         f"{fl['max_completed_tok_s']} tok/s; ragged {fl['ragged_of_floor']}, split {fl['split_of_floor']} "
+                         f"of it; the goal needs {fl['goal_tok_s']} tok/s")
     for rate, p in (doc.get("poisson") or {}).items():
         s = p["summary"]
         lines.append(f"poisson {rate} req/s (sent {s['offered_rate_rps']['ragged']} / {s['offered_rate_rps']['split']}): "

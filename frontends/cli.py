@@ -151,6 +151,12 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
     opt(m, "--max-num-batched-tokens", type=_positive, default=d["max_num_batched_tokens"],
         help="token budget of one ragged step (decode tokens first, prefill chunks in the rest); defines the token "
              "buckets (default: 64 on CPU, 2048 on GPU / TPU)")
+    opt(m, "--burst-batched-tokens", type=_non_negative_int, default=None,
+        help="token budget of a step while at least --burst-min-prompts prompts wait for their first token, or no "
+             "sequence decodes: a backlog is prefilled in large steps at the cost of the decoding streams' "
+             "inter-token latency; 0 = off (default: 256 on CPU, off on GPU / TPU)")
+    opt(m, "--burst-min-prompts", type=_positive, default=d["burst_min_prompts"],
+        help="prompts awaiting their first token that switch a step to --burst-batched-tokens")
     opt(m, "--max-waiting-requests", type=_positive, default=d["max_waiting_requests"],
         help="queue bound; beyond it requests are refused as overloaded (429 / RESOURCE_EXHAUSTED)")
     pc = m.add_mutually_exclusive_group()
@@ -358,6 +364,7 @@ def engine_args(ns: argparse.Namespace):
         models=ns.model_specs, dtype=ns.dtype, quantize=ns.quantize, tp=ns.tp, ep=ns.ep, replicas=ns.replicas,
         max_model_len=ns.max_model_len, page_size=ns.page_size, page_bucket_ratio=ns.page_bucket_ratio, num_pages=ns.num_pages,
         max_running_requests=ns.max_running_requests, max_num_batched_tokens=ns.max_num_batched_tokens,
+        burst_batched_tokens=ns.burst_batched_tokens, burst_min_prompts=ns.burst_min_prompts,
         max_waiting_requests=ns.max_waiting_requests, enable_prefix_cache=ns.enable_prefix_cache,
         compile_cache_dir=ns.compile_cache_dir, attention_backend=ns.attention_backend, cpu_matmul=ns.cpu_matmul,
         max_prompt_tokens=ns.max_prompt_tokens,

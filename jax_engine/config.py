@@ -50,6 +50,8 @@ class EngineArgs:
     num_pages: Optional[int] = None      # None = from memory
     max_running_requests: int = 16
     max_num_batched_tokens: Optional[int] = None   # None = token_budget_default() for the platform
+    burst_batched_tokens: Optional[int] = None     # None = burst_budget_default(); 0 = off
+    burst_min_prompts: int = 4                # prompts awaiting their first token that switch a step to the burst budget
     max_waiting_requests: int = 256
     enable_prefix_cache: bool = True
     compile_cache_dir: Optional[str] = None
@@ -95,6 +97,27 @@ def token_budget_default(accelerator: bool) -> int:
     return ACCELERATOR_TOKEN_BUDGET if accelerator else CPU_TOKEN_BUDGET
 
 
+CPU_BURST_BUDGET = 256
+
+
+def burst_budget_default(accelerator: bool) -> int:
+    """The token budget of a step while a backlog of prompts waits (--burst-batched-tokens), when
+    not given; 0 = off.
+
+    CPU: 256. The small latency budget above starves prefill when many prompts arrive at once:
+    each step's decode tokens come out of the same 64, so the prompts behind them enter a few
+    tokens at a time and finish their answers one after another, the last ones in steps of a
+    few rows, the costliest per token on a compute-bound host ('small' Llama, 32 streams of 128 +
+    128 tokens: 215 steps). With at least --burst-min-prompts prompts waiting, a step takes up to
+    256 tokens instead, so the backlog is prefilled in large steps and the streams decode
+    together (150 steps; see the saturation rows of benchmarks/ragged_step.py). Under arrivals
+    the server keeps up with, fewer prompts than that wait and the latency budget holds the
+    inter-token p99. A step with no sequence decoding takes the burst budget too: no stream's
+    next token waits for it, and a 128-token prompt is prefilled in one step instead of two.
+    GPU / TPU: off (the budget there is already 2048)."""
+    return 0 if accelerator else CPU_BURST_BUDGET
+
+
 @dataclass(frozen=True)
 class ResolvedSpec:
     """A ModelSpec with every inherited setting decided (see `resolve`)."""
@@ -115,6 +138,7 @@ class ResolvedSpec:
     prefix_cache_ttl_s: float
     random_weights: bool
     ep: int = 1                         # expert-parallel size: each replica uses tp x ep devices
+    burst_batched_tokens: int = 0       # > max_num_batched_tokens, or 0 = off
 
 
 def _pick(pinned, inherited):
@@ -156,6 +180,15 @@ def resolve(spec: ModelSpec, args: EngineArgs) -> ResolvedSpec:
         # vLLM honour it too, so it wins over the engine-wide --max-model-len
         max_model_len = max_model_len or st_max_seq_length(spec.path)
     max_model_len = max_model_len or args.max_model_len
+    budget = (spec.max_num_batched_tokens or args.max_num_batched_tokens
+              or token_budget_default(backend.is_accelerator()))
+    burst = args.burst_batched_tokens
+    if burst is None:                           # the default applies only above the budget
+        burst = burst_budget_default(backend.is_accelerator())
+        burst = burst if burst > budget else 0
+    elif burst and burst <= budget:
+        raise InvalidRequest(f"--burst-batched-tokens {burst} must exceed --max-num-batched-tokens {budget} "
+                             "(or be 0: off)")
     return ResolvedSpec(
         name=spec.name, path=spec.path, task=task,
         dtype=dtype, quantize=quantize,
@@ -164,8 +197,7 @@ def resolve(spec: ModelSpec, args: EngineArgs) -> ResolvedSpec:
         page_size=spec.page_size or args.page_size,
         num_pages=spec.num_pages or args.num_pages,
         max_running_requests=spec.max_running_requests or args.max_running_requests,
-        max_num_batched_tokens=(spec.max_num_batched_tokens or args.max_num_batched_tokens
-                                or token_budget_default(backend.is_accelerator())),
+        max_num_batched_tokens=budget, burst_batched_tokens=burst,
         enable_prefix_cache=_pick(spec.enable_prefix_cache, args.enable_prefix_cache),
         prefix_cache_ttl_s=spec.prefix_cache_ttl_s,
         random_weights=is_random_weights(spec),

@@ -36,7 +36,8 @@ a decode step 1.9 ms greedy ('small' model, 4 rows: 16.1 vs 14.2 ms) and 7.8 ms 
 rows, top-k 50 / top-p 0.9: 36.5 vs 28.7 ms).
 P has one bucket (the model's whole span) unless the attention backend's cost grows with the
 page table's width (the reference's gather: `page_buckets`), so on CPU the demo generator (token
-budget 64) compiles 2 x 7 step programs and 5 more (19) instead of the split design's 164.
+budget 64, burst budget 256: token buckets 1 .. 64, 128, 256) compiles 2 x 9 step programs and 7
+more (25) instead of the split design's 164.
 Device state (donated into every program, so it is updated in place):
   k, v   [L, num_pages * page_size, KVH, D]  the paged KV cache, page 0 reserved
   counts [slots + 1, V] int32 output-token counts; pm [slots + 1, V] prompt-token mask
@@ -98,6 +99,17 @@ def step_buckets(hi: int, fine_from: int = 64) -> list[int]:
     return sorted({x for x in out if x < hi} | {hi})
 
 
+def burst_buckets(budget: int, burst: int) -> list[int]:
+    """Token buckets above the latency budget, for burst steps (--burst-batched-tokens): doublings
+    of `budget`, and `burst` itself. Coarse on purpose: a burst step runs while a backlog of
+    prompts waits, so its chunks fill the bucket and only the backlog's last step is padded."""
+    out, b = [], budget * 2
+    while b < burst:
+        out.append(b)
+        b *= 2
+    return out + [burst] if burst > budget else []
+
+
 def page_buckets(p_max: int, ratio: int = 2) -> list[int]:
     """Page-count buckets p_max, p_max/ratio, ... 1, for backends whose step cost grows with the
     page table's width (the reference gathers every token's whole bucket). Ratio 2 wastes at most
@@ -156,6 +168,7 @@ class RunnerConfig:
     lora_slots: int = 0         # LoRA adapter slots (0 = LoRA disabled: no bank, programs as without it)
     lora_rank: int = 0          # every slot padded to this rank
     spec_tokens: int = 0        # most proposed tokens per row (speculative decoding; 0 = off, no spec programs)
+    burst_tokens: int = 0       # the step's budget under a backlog of prompts (> max_batched_tokens; 0 = off)
 
 
 class StepPublisher(Protocol):
@@ -201,11 +214,13 @@ class ModelRunner:
         self.mirror: Optional[tuple[StepPublisher, str]] = None     # (channel, key) on process 0 of a slice
         self.dtype = dtype
         # every running row decodes in every step, so the budget is never below the row count
-        self.max_tokens = max(rc.max_batched_tokens, rc.max_running)
+        self.budget_tokens = max(rc.max_batched_tokens, rc.max_running)
+        self.max_tokens = max(self.budget_tokens, rc.burst_tokens)
         # speculation puts 1 + K tokens per decoding row in a step (8 rows, K = 4: 40), so its
         # steps get the x1.25 buckets from 32 on instead of from 64 (a 40-token step ran in the
         # 64 bucket at 1.6x the work)
-        self.token_buckets = step_buckets(self.max_tokens, fine_from=32 if rc.spec_tokens > 0 else 64)
+        self.token_buckets = step_buckets(self.budget_tokens, fine_from=32 if rc.spec_tokens > 0 else 64)
+        self.token_buckets += burst_buckets(self.budget_tokens, self.max_tokens)
         self.lp_buckets = pow2_buckets(min(rc.min_token_bucket, self.max_tokens), self.max_tokens)
         self.p_max = math.ceil(rc.max_model_len / rc.page_size)
         be = attention.get(cfg.attention_backend)

@@ -35,13 +35,17 @@ log = logging.getLogger("xlaserve.scheduler")
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, pool: PagePool, eos_ids: set[int], max_model_len: int, name: str,
-                 drafter: Optional[Drafter] = None):
+                 drafter: Optional[Drafter] = None, burst_min_prompts: int = 4):
         self.runner, self.pool, self.eos_ids, self.max_model_len = runner, pool, eos_ids, max_model_len
         self.name = name
         self.drafter = drafter          # speculative decoding (None: off)
         rc = runner.rc
         self.max_running = rc.max_running
-        self.budget = runner.max_tokens
+        self.budget = runner.budget_tokens      # the latency budget of a step
+        # the burst budget (0 = off) and the backlog that switches a step to it (see step())
+        self.burst = runner.max_tokens if runner.max_tokens > runner.budget_tokens else 0
+        self.burst_min_prompts = burst_min_prompts
+        self.burst_steps = 0
         self.page_size = rc.page_size
         self.free_slots = list(range(rc.max_running - 1, -1, -1))
         self.waiting: list[Sequence] = []
@@ -154,9 +158,22 @@ class Scheduler:
         self._admit()
         decoding = self._reserve_decode_pages()
         guesses = self._plan_drafts(decoding)
-        chunks = self._plan_chunks(self.budget - len(decoding) - guesses)
+        chunks = self._plan_chunks(self._step_budget(len(decoding)) - len(decoding) - guesses)
         if decoding or chunks:
+            if len(decoding) + guesses + sum(n for _, n in chunks) > self.budget:
+                self.burst_steps += 1
             self._run_step(decoding, chunks)
+
+    def _step_budget(self, decoding: int) -> int:
+        """The latency budget, or the burst budget when no sequence decodes (no stream's next
+        token waits for the step: a prompt is prefilled in one step instead of several) or while
+        at least burst_min_prompts admitted prompts wait for their first token (a backlog:
+        prefilled in large steps, the decoding streams wait longer for those steps, and then
+        decode together in full steps instead of one after another in small ones;
+        config.burst_budget_default has the measurement)."""
+        if self.burst and (decoding == 0 or len(self.prefilling) >= self.burst_min_prompts):
+            return self.burst
+        return self.budget
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
         """Prefill chunks in what the decode tokens left of the budget, FIFO."""

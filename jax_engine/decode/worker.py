@@ -147,7 +147,7 @@ class GenerateWorker:
                               max_n=args.max_n, top_n=max(1, args.max_top_logprobs),
                               page_bucket_ratio=max(2, args.page_bucket_ratio),
                               lora_slots=args.max_loras if lora_on else 0, lora_rank=args.max_lora_rank,
-                              spec_tokens=spec_k)
+                              spec_tokens=spec_k, burst_tokens=spec.burst_batched_tokens)
             rc.num_pages = spec.num_pages or self._auto_pages(rc)
             runner = ModelRunner(self.cfg, model, rc, mesh, self.dtype)
             self.local_runners[f"{spec.name}/{r}"] = runner
@@ -157,7 +157,7 @@ class GenerateWorker:
                             ttl_s=spec.prefix_cache_ttl_s)
             drafter = Drafter(args.speculative, spec_k) if spec_k else None
             self.replicas.append(Scheduler(runner, pool, self.eos_ids, self.max_model_len, f"{spec.name}/{r}",
-                                           drafter))
+                                           drafter, burst_min_prompts=args.burst_min_prompts))
         tok = self.tokenizer
         self.info = ModelInfo(
             name=spec.name, path=os.path.abspath(spec.path), tokenizer_path=os.path.abspath(spec.path), task="generate",
@@ -193,8 +193,10 @@ class GenerateWorker:
             s.runner.warmup(progress)
         self.warmup_s = time.time() - t
         r = self.replicas[0].runner
-        log.info("%s: %d programs compiled in %.1fs (ragged step: token buckets %s, page buckets %s)",
-                 self.spec.name, len(r.programs), self.warmup_s, r.token_buckets, r.page_buckets)
+        log.info("%s: %d programs compiled in %.1fs (ragged step: token buckets %s, page buckets %s; budget %d, "
+                 "burst %s)", self.spec.name, len(r.programs), self.warmup_s, r.token_buckets, r.page_buckets,
+                 r.budget_tokens, f"{r.max_tokens} from {self.args.burst_min_prompts} waiting prompts"
+                 if r.max_tokens > r.budget_tokens else "off")
 
     def start(self) -> None:
         for s in self.replicas:
@@ -453,7 +455,8 @@ class GenerateWorker:
                 total_generated_tokens=s.total_generated_tokens, prefix_cache_hit_tokens=pool.hit_tokens,
                 prefix_cache_miss_tokens=pool.miss_tokens,
                 compilations_after_warmup=s.runner.programs.compilations_after_warmup,
-                max_running_requests=s.max_running, max_num_batched_tokens=s.budget, preemptions=s.preemptions))
+                max_running_requests=s.max_running, max_num_batched_tokens=s.budget, preemptions=s.preemptions,
+                burst_steps=s.burst_steps))
         # requests wait for their grammar before a replica is chosen: the queue is the model's, shown on rank 0
         per[0].grammar_queue = self.grammars.queued
         tot = ModelStats(name=self.spec.name, page_size=self.page_size, replicas=per,
@@ -474,7 +477,7 @@ class GenerateWorker:
         for f in ("running_requests", "waiting_requests", "pages_total", "pages_used", "pages_free",
                   "prefill_tokens_per_s", "decode_tokens_per_s", "total_prompt_tokens", "total_generated_tokens",
                   "prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "compilations_after_warmup",
-                  "max_running_requests", "preemptions"):
+                  "max_running_requests", "preemptions", "burst_steps"):
             setattr(tot, f, sum(getattr(x, f) for x in per))
         return tot
 

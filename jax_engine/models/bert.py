@@ -32,6 +32,7 @@ from jax_engine.checkpoint.hf import CheckpointError, CheckpointReader, read_con
 from jax_engine.executor import backend
 from jax_engine.kernels import cpu as cpu_kernels
 from jax_engine.kernels.plan import MatmulPlan
+from jax_engine.models import stacked
 from jax_engine.models.registry import ARCHITECTURES, architecture_of
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -438,14 +439,12 @@ class Encoder(nnx.Module):
 
     def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array) -> jax.Array:
         # packed panels pass whole (the kernel takes the layer index), so the scan does not slice them
-        gd, whole, sliced = nnx.split(self.layer, lambda p, _: p[-1] == "panels", ...)
-
-        def body(carry: tuple[jax.Array, jax.Array], st) -> tuple[tuple[jax.Array, jax.Array], None]:
+        def body(carry: tuple[jax.Array, jax.Array], layer: "Layer", _) -> tuple[jax.Array, jax.Array]:
             x, li = carry
-            return (nnx.merge(gd, whole, st)(c, x, mask_bias, li), li + 1), None
+            return layer(c, x, mask_bias, li), li + 1
 
-        (x, _), _ = jax.lax.scan(body, (x, jnp.int32(0)), sliced, length=c.num_layers)
-        return x
+        return stacked.scan(self.layer, lambda path: path.split(".")[-1] == "panels", c.num_layers, body,
+                            (x, jnp.int32(0)))[0]
 
 
 class Classifier(nnx.Module):

@@ -51,7 +51,7 @@ from jax_engine import attention
 from jax_engine.checkpoint import layout
 from jax_engine.kernels import cpu as cpu_kernels
 from jax_engine.models import lora as lora_terms
-from jax_engine.models import moe
+from jax_engine.models import moe, stacked
 from jax_engine.models.llama import (
     K_DIMS,
     SPECS,
@@ -153,13 +153,7 @@ def scan_layers(layers: "Layers", cfg: LlamaConfig, m: int, body: Callable, init
     with m rows: `layer` is the Layers module merged from this layer's slice of the sliced state
     and the whole kept state (`kept_whole`), `extra` (e.g. the LoRA bank, or None) is sliced
     along with it. Returns the final carry."""
-    gd, whole, sliced = nnx.split(layers, lambda p, _: kept_whole(".".join(map(str, p)), cfg, m), ...)
-
-    def step(carry, xs):
-        state_l, ex = xs
-        return body(carry, nnx.merge(gd, whole, state_l), ex), None
-
-    return jax.lax.scan(step, init, (sliced, extra), length=cfg.num_layers)[0]
+    return stacked.scan(layers, lambda path: kept_whole(path, cfg, m), cfg.num_layers, body, init, extra)
 
 
 _LINEAR_NAMES = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}

@@ -437,14 +437,11 @@ def test_request_larger_than_the_pool_is_invalid(model_dir):
         eng.shutdown()
 
 
-def test_one_ragged_step_mixes_decode_chunks_prompt_logprobs_and_a_fork(model_dir):
-    """One step holds a running sequence's decode token, three prompt chunks of different lengths
-    (one with prompt logprobs, one an n = 2 request whose two first tokens are drawn from the same
-    row), and every request's output equals running it alone."""
+def gate_steps(runner):
+    """Wrap runner.step: every step's rows are recorded in `steps`; gate.clear() holds the
+    scheduler inside its next step until gate.set(). Returns (steps, gate, the original step)."""
     import threading
 
-    eng = make_engine(model_dir, warmup=False, max_num_batched_tokens=128)
-    runner = eng._workers["gen"].replicas[0].runner
     steps: list = []
     gate = threading.Event()
     gate.set()
@@ -456,6 +453,16 @@ def test_one_ragged_step_mixes_decode_chunks_prompt_logprobs_and_a_fork(model_di
         return step(rows, greedy_, masks)
 
     runner.step = gated
+    return steps, gate, step
+
+
+def test_one_ragged_step_mixes_decode_chunks_prompt_logprobs_and_a_fork(model_dir):
+    """One step holds a running sequence's decode token, three prompt chunks of different lengths
+    (one with prompt logprobs, one an n = 2 request whose two first tokens are drawn from the same
+    row), and every request's output equals running it alone."""
+    eng = make_engine(model_dir, warmup=False, max_num_batched_tokens=128)
+    runner = eng._workers["gen"].replicas[0].runner
+    steps, gate, step = gate_steps(runner)
     reqs = {
         "a": (list(range(10, 17)), greedy(None, 40)),
         "b": (list(range(50, 100)), greedy(None, 5)),
@@ -492,6 +499,59 @@ def test_one_ragged_step_mixes_decode_chunks_prompt_logprobs_and_a_fork(model_di
                 want = [x.logprob for x in alone[0]["prompt_logprobs"][1:]]
                 assert len(got) == 20 and np.allclose(got, want, atol=1e-5)
         assert eng.stats("gen").pages_used == 0
+    finally:
+        runner.step = step
+        gate.set()
+        eng.shutdown()
+
+
+def test_burst_budget_prefills_a_backlog_then_returns_to_the_latency_budget(model_dir):
+    """With burst_min_prompts prompts waiting, a step takes up to the burst budget (decode token
+    first, then the prompts' chunks filling it); with fewer waiting it is back at the latency
+    budget; with nothing decoding a prompt is prefilled in one burst step. Outputs equal
+    one-at-a-time runs, and the burst buckets were compiled at warmup."""
+    eng = make_engine(model_dir, max_num_batched_tokens=32, burst_batched_tokens=128, burst_min_prompts=3,
+                      enable_prefix_cache=False)    # every run computes its whole prompt
+    sched = eng._workers["gen"].replicas[0]
+    runner = sched.runner
+    assert runner.token_buckets == [1, 2, 4, 8, 16, 32, 64, 128] and (sched.budget, sched.burst) == (32, 128)
+    steps, gate, step = gate_steps(runner)
+    a = (list(range(10, 17)), greedy(None, 30))
+    backlog = [(list(range(40 + 50 * i, 80 + 50 * i)), greedy(None, 4)) for i in range(4)]   # 4 x 40 tokens
+    pair = [(list(range(20 + 60 * i, 60 + 60 * i)), greedy(None, 3)) for i in range(2)]       # 2 x 40 tokens
+
+    async def behind_a(group):
+        first = asyncio.ensure_future(run(eng, a[0], **a[1]))
+        while sum(len(r) for r in steps) < 3:             # a is decoding
+            await asyncio.sleep(0.005)
+        gate.clear()                                      # hold the scheduler inside its next step ...
+        await asyncio.sleep(0.05)
+        rest = [asyncio.ensure_future(run(eng, p, **kw)) for p, kw in group]
+        await asyncio.sleep(0.3)                          # ... until the whole group is admitted
+        start = len(steps)
+        gate.set()
+        outs = await asyncio.gather(first, *rest)
+        return outs, [sum(len(r.tokens) for r in rows) for rows in steps[start:]]
+
+    try:
+        before = eng.compilations_after_warmup()
+        outs, sizes = asyncio.run(behind_a(backlog))
+        # 4 waiting >= 3: a's token + 127 prompt tokens in one step, then 33 left for one prompt
+        # alone (below the threshold): back to 32 per step (a, the prompt's chunk, first tokens)
+        assert sizes[1] == 128, sizes
+        assert max(sizes[2:]) <= 32, sizes
+        assert sched.burst_steps >= 1
+        burst_steps = sched.burst_steps
+        steps.clear()
+        outs2, sizes2 = asyncio.run(behind_a(pair))     # 2 waiting < 3: the latency budget holds
+        assert max(sizes2[1:]) <= 32 and sched.burst_steps == burst_steps, sizes2
+        for (prompt, params), got in zip([a] + backlog + pair, outs + outs2[1:]):
+            steps.clear()          # alone on an idle engine: the whole prompt in one burst step
+            assert asyncio.run(run(eng, prompt, **params))[0]["tokens"] == got[0]["tokens"]
+            assert sum(len(r.tokens) for r in steps[0]) == len(prompt), prompt
+        runner.step = step
+        assert eng.compilations_after_warmup() == before == 0
+        assert eng.stats("gen").burst_steps == sched.burst_steps and eng.stats("gen").pages_used == 0
     finally:
         runner.step = step
         gate.set()

@@ -317,3 +317,18 @@ def test_start_time_program_counts_follow_the_ragged_log_line():
     text = "\n".join(M.sec_start_time(doc, quick=True))
     row = _row(text, "| cold: empty cache")
     assert "xlaserve-demo-random 28" in row and "all-MiniLM-L6-v2 45" in row
+
+
+def test_saturation_flops_and_compute_floor():
+    """Hand-counted: H 4, 1 layer, 2 heads of 2 (1 KV head), I 8, V 10; 2 streams, 3-token
+    prompts, 2 new tokens: 4 fed tokens each, contexts 1..4."""
+    from benchmarks.ragged_step import compute_floor, saturation_flops
+
+    cfg = {"hidden_size": 4, "num_hidden_layers": 1, "vocab_size": 10, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "intermediate_size": 8}
+    layer = 4 * (2 + 2) * 2 + 2 * 2 * 4 + 3 * 4 * 8           # qkv + o + gate/up/down weights
+    want = 2 * (2 * layer * 4 + 2 * 10 * 4 * 2 + 4 * 2 * 2 * (1 + 2 + 3 + 4))
+    assert saturation_flops(cfg, streams=2, prompt_len=3, new_tokens=2) == want
+    fl = compute_floor(want, 1e-6, streams=2, new_tokens=2)   # 1000 FLOP/s
+    assert fl["floor_s"] == round(want / 1e3, 3) and fl["max_completed_tok_s"] == round(4 / (want / 1e3), 1)
+    assert compute_floor(want, None, 2, 2) == {}

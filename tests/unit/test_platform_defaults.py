@@ -104,3 +104,30 @@ def test_random_weights_is_decided_once_from_the_spec_or_the_demo_marker(demo_pa
     assert resolve(ModelSpec(name="m", path=demo_path), EngineArgs()).random_weights is True
     assert is_random_weights(ModelSpec(name="m", path=str(tmp_path), random_weights=True))
     assert not is_random_weights(ModelSpec(name="m", path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("plat", ["cpu", "gpu"])
+def test_token_budget_and_burst_defaults(monkeypatch, demo_path, plat):
+    """--max-num-batched-tokens / --burst-batched-tokens: 64 with a 256 burst on CPU, 2048 and no
+    burst on accelerators; the burst default applies only above the budget; an explicit burst at
+    or below the budget is refused by name; 0 turns it off."""
+    from jax_engine.config import EngineArgs, ModelSpec, resolve
+
+    monkeypatch.setattr(backend, "platform", lambda: plat)
+    spec = ModelSpec(name="m", path=demo_path)
+    r = resolve(spec, EngineArgs())
+    assert (r.max_num_batched_tokens, r.burst_batched_tokens) == ((64, 256) if plat == "cpu" else (2048, 0))
+    assert resolve(spec, EngineArgs(max_num_batched_tokens=256)).burst_batched_tokens == 0
+    assert resolve(spec, EngineArgs(max_num_batched_tokens=32, burst_batched_tokens=512)).burst_batched_tokens == 512
+    assert resolve(spec, EngineArgs(burst_batched_tokens=0)).burst_batched_tokens == 0
+    with pytest.raises(InvalidRequest, match="--burst-batched-tokens 32 must exceed --max-num-batched-tokens 64"):
+        resolve(spec, EngineArgs(max_num_batched_tokens=64, burst_batched_tokens=32))
+
+
+def test_burst_buckets_double_from_the_budget():
+    from jax_engine.decode.runner import burst_buckets, step_buckets
+
+    assert burst_buckets(64, 256) == [128, 256]
+    assert burst_buckets(64, 300) == [128, 256, 300]
+    assert burst_buckets(64, 100) == [100] and burst_buckets(64, 64) == [] and burst_buckets(64, 0) == []
+    assert step_buckets(64) + burst_buckets(64, 256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]

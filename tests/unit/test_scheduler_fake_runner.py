@@ -80,6 +80,7 @@ class FakeRunner:
     def __init__(self, max_running: int = 4, max_batched_tokens: int = 16, page_size: int = 4):
         self.rc = SimpleNamespace(max_running=max_running, max_batched_tokens=max_batched_tokens, page_size=page_size)
         self.max_tokens = max(max_batched_tokens, max_running)      # as ModelRunner: a decode row each
+        self.budget_tokens = self.max_tokens                          # no burst budget (tested with the engine)
         self.sched: Optional[Scheduler] = None
         self.steps: list[Step] = []
         self.copies: list[tuple[int, int]] = []
