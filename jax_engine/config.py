@@ -189,6 +189,8 @@ def resolve(spec: ModelSpec, args: EngineArgs) -> ResolvedSpec:
     elif burst and burst <= budget:
         raise InvalidRequest(f"--burst-batched-tokens {burst} must exceed --max-num-batched-tokens {budget} "
                              "(or be 0: off)")
+    if args.burst_min_prompts < 1:
+        raise InvalidRequest(f"--burst-min-prompts must be >= 1, got {args.burst_min_prompts}")
     return ResolvedSpec(
         name=spec.name, path=spec.path, task=task,
         dtype=dtype, quantize=quantize,

@@ -233,7 +233,7 @@ class ModelStats:
     max_num_batched_tokens: int = 0      # the ragged step's token budget (per replica)
     grammar_queue: int = 0               # requests waiting for their grammar to compile
     preemptions: int = 0
-    burst_steps: int = 0                 # steps run at the burst budget (a backlog of prompts waited)
+    burst_steps: int = 0                 # steps over the latency budget (a backlog waited, or nothing decoded)
     lora_slots_used: int = 0             # LoRA adapter slots holding an adapter (per replica: the same)
     lora_slots_total: int = 0            # --max-loras when LoRA is enabled, else 0
     spec: Optional[SpecStats] = None     # speculative decoding (None when --speculative off)

@@ -293,8 +293,8 @@ class _EngineCollector:
             "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
             "compilations_after_warmup": ("XLA compilations after warmup (should stay 0)",
                                           "compilations_after_warmup"),
-            "burst_steps": ("Ragged steps run at the burst token budget (--burst-batched-tokens: a backlog of "
-                            "prompts waited)", "burst_steps"),
+            "burst_steps": ("Ragged steps over the latency budget, at the burst budget (--burst-batched-tokens: a "
+                            "backlog of prompts waited, or nothing decoded)", "burst_steps"),
         }
         g_fam = {k: GaugeMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in gauges.items()}
         c_fam = {k: CounterMetricFamily(f"xlaserve_{k}", doc, labels=["model"]) for k, (doc, _) in counters.items()}

@@ -215,7 +215,9 @@ class ModelRunner:
         self.dtype = dtype
         # every running row decodes in every step, so the budget is never below the row count
         self.budget_tokens = max(rc.max_batched_tokens, rc.max_running)
-        self.max_tokens = max(self.budget_tokens, rc.burst_tokens)
+        # a step holds at most every row's whole context, so a burst bucket beyond that could never
+        # be filled (nor warmed up: 2 rows of 64 tokens cannot make a 256-token step)
+        self.max_tokens = max(self.budget_tokens, min(rc.burst_tokens, rc.max_running * rc.max_model_len))
         # speculation puts 1 + K tokens per decoding row in a step (8 rows, K = 4: 40), so its
         # steps get the x1.25 buckets from 32 on instead of from 64 (a 40-token step ran in the
         # 64 bucket at 1.6x the work)

@@ -195,7 +195,7 @@ class GenerateWorker:
         r = self.replicas[0].runner
         log.info("%s: %d programs compiled in %.1fs (ragged step: token buckets %s, page buckets %s; budget %d, "
                  "burst %s)", self.spec.name, len(r.programs), self.warmup_s, r.token_buckets, r.page_buckets,
-                 r.budget_tokens, f"{r.max_tokens} from {self.args.burst_min_prompts} waiting prompts"
+                 r.budget_tokens, f"{r.max_tokens} from {self.args.burst_min_prompts} waiting prompts or an idle step"
                  if r.max_tokens > r.budget_tokens else "off")
 
     def start(self) -> None:

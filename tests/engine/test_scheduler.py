@@ -556,3 +556,18 @@ def test_burst_budget_prefills_a_backlog_then_returns_to_the_latency_budget(mode
         runner.step = step
         gate.set()
         eng.shutdown()
+
+
+def test_burst_budget_is_capped_by_what_a_step_can_hold(model_dir):
+    """2 rows of at most 64 tokens hold 128 tokens: a 256 burst budget becomes 128, and every
+    program's example arguments build (the warm-up would compile each of them)."""
+    eng = make_engine(model_dir, warmup=False, max_running_requests=2, max_model_len=64, max_num_batched_tokens=32,
+                      burst_batched_tokens=256)
+    try:
+        sched = eng._workers["gen"].replicas[0]
+        runner = sched.runner
+        assert runner.max_tokens == sched.burst == 128 and runner.token_buckets[-2:] == [64, 128]
+        for prog, key in runner.all_keys():
+            runner._example(prog, key)
+    finally:
+        eng.shutdown()

@@ -122,6 +122,8 @@ def test_token_budget_and_burst_defaults(monkeypatch, demo_path, plat):
     assert resolve(spec, EngineArgs(burst_batched_tokens=0)).burst_batched_tokens == 0
     with pytest.raises(InvalidRequest, match="--burst-batched-tokens 32 must exceed --max-num-batched-tokens 64"):
         resolve(spec, EngineArgs(max_num_batched_tokens=64, burst_batched_tokens=32))
+    with pytest.raises(InvalidRequest, match="--burst-min-prompts must be >= 1"):
+        resolve(spec, EngineArgs(burst_min_prompts=0))
 
 
 def test_burst_buckets_double_from_the_budget():
