@@ -959,7 +959,9 @@ def test_row21_fault_in_one_step_fails_only_its_requests_on_every_front(http_url
         except grpc.RpcError as e:
             result["grpc"] = (e.code(), e.details())
 
-    with slow(serving_engine):
+    # 0.05 s a step: 200 tokens take >= 10 s, so no stream can finish before the last of the four
+    # is admitted, however loaded the machine (at 0.02 s one did once, in a full run)
+    with slow(serving_engine, 0.05):
         threads = [threading.Thread(target=f) for f in (http_stream, mirror_stream, grpc_stream)]
         for t in threads:
             t.start()
