@@ -103,11 +103,7 @@ def burst_buckets(budget: int, burst: int) -> list[int]:
     """Token buckets above the latency budget, for burst steps (--burst-batched-tokens): doublings
     of `budget`, and `burst` itself. Coarse on purpose: a burst step runs while a backlog of
     prompts waits, so its chunks fill the bucket and only the backlog's last step is padded."""
-    out, b = [], budget * 2
-    while b < burst:
-        out.append(b)
-        b *= 2
-    return out + [burst] if burst > budget else []
+    return pow2_buckets(budget * 2, burst) if burst > budget else []
 
 
 def page_buckets(p_max: int, ratio: int = 2) -> list[int]:
