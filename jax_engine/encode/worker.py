@@ -214,10 +214,11 @@ class EmbedWorker:
             self.max_len, args.embed_max_batch_tokens, max_program_tokens=_program_token_cap(),
             attn_tokens=2 * self.cfg.hidden_size + self.cfg.intermediate_size,
             dispatch_tokens=DISPATCH_COST_TOKENS)
-        # --cpu-matmul kernel: the layer matrices on the packed-panel kernel; otherwise XLA's dot
-        # (why `auto` does not time encoders: jax_engine/kernels/choose.py, configure_encoder)
+        # --cpu-matmul: auto times XLA's dot against the packed-panel kernel per layer matrix and
+        # program size (jax_engine/kernels/choose.py, configure_encoder); kernel / xla force a path
         self.cfg.matmul_plan = cpu_matmul.configure_encoder(
-            args.cpu_matmul, backend.platform(), backend.DTYPE_NAMES[dtype], 1, bert.matrix_dims(self.cfg))
+            args.cpu_matmul, backend.platform(), backend.DTYPE_NAMES[dtype], 1, bert.matrix_dims(self.cfg),
+            layers=self.cfg.num_layers, max_rows=self.buckets.max_program_tokens)
         self.num_params = bert.count_params(model)               # the checkpoint's, before any packed copy
         # split once: the bucket programs close over the graph definition and take the state pytree
         self.graphdef, self.params = nnx.split(bert.pack_for_kernel(model, self.cfg))

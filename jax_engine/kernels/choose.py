@@ -142,6 +142,7 @@ class Case:
     tied: bool = False               # LM head = embed^T (XLA reads the [V, H] embedding)
     points: tuple[int, ...] = ()     # row counts to time
     blas: bool = False               # also time the library sgemm (at prefill points)
+    flat: bool = False               # an encoder matrix: x [M, K] @ w [K, N] (no decoder layout)
 
     @property
     def k(self) -> int:
@@ -279,16 +280,26 @@ class _Point:
             kernel_fn = lambda x, w: cpu_kernels.linear(x, w, 0, 1, (n,))              # noqa: E731
             pk_lead: tuple[int, ...] = (1,)
         else:
-            spec, kd = llama.SPECS[case.weight], len(case.k_dims)
-            rows = (m, 1) if self.shape_class == "decode" else (1, m)                  # [B, Tq] as the programs
-            self.x = sds(rows + case.k_dims, dt)
+            kd = len(case.k_dims)
+            if case.flat:                                  # an encoder's [M, K] rows, as models/bert.py
+                self.x = sds((m,) + case.k_dims, dt)
+
+                def one(x: jax.Array, wl: Any) -> jax.Array:
+                    return x @ wl
+            else:
+                spec = llama.SPECS[case.weight]
+                rows = (m, 1) if self.shape_class == "decode" else (1, m)              # [B, Tq] as the programs
+                self.x = sds(rows + case.k_dims, dt)
+
+                def one(x: jax.Array, wl: Any) -> jax.Array:
+                    return llama.linear(x, wl, spec)
             if case.int8:
                 xla_w = {"q": sds((L,) + case.k_dims + out, jnp.int8), "s": sds((L,) + out, jnp.float32)}
             else:
                 xla_w = sds((L,) + case.k_dims + out, dt)
 
             def xla_fn(x, w):
-                return jax.lax.scan(lambda c, wl: (c, llama.linear(x, wl, spec)), 0, w)[1]
+                return jax.lax.scan(lambda c, wl: (c, one(x, wl)), 0, w)[1]
 
             def kernel_fn(x, w):
                 return jax.lax.scan(lambda li, _: (li + 1, cpu_kernels.linear(x, w, li, kd, out).astype(x.dtype)),
@@ -457,21 +468,38 @@ def choose(cases_: list[Case], decode_rows: int, *, timer: Optional[Timer] = Non
 
 
 # --------------------------------------------------------------------------- encoders
-def configure_encoder(choice: str, plat: str, dtype: Any, tp: int, matrices: dict[str, tuple[int, int]]
-                      ) -> Optional[MatmulPlan]:
-    """--cpu-matmul for an encoder's layer matrices: "kernel" routes every one to the packed-panel
-    kernel (an error where it cannot run, as for decoders); anything else keeps XLA's dot (None).
+ENCODER_POINTS = (16, 64, 256, 1024)    # rows (batch x sequence) an encoder's matrices are timed at
 
-    Why `auto` does not time encoders: measured here (all-MiniLM-L6-v2, float32, per layer), the
-    kernel wins small programs (16 rows: 0.05-0.26 ms against XLA's 0.15-0.65) and XLA large ones
-    (2048 rows: 7-12%), and routing by those timings made the batch-1 program of 32 tokens 8.6 ->
-    7.2 ms; but timing them at start (and building the kernel before the encoder's programs can
-    compile) made a cold start of the default models 68.7 s instead of 50.9 s, against a 45 s
-    target. So encoders take XLA's dot unless `kernel` is asked for."""
-    if choice != "kernel":
+
+def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any, max_rows: int) -> list[Case]:
+    """An encoder's layer matrices ({name: (K, N)}, stacked over `layers`) and the row counts each
+    is timed at: ENCODER_POINTS up to the largest program (`max_rows`), which span the bucket
+    programs from one short sentence (16 rows) to the batches (2,048 on CPU)."""
+    pts = tuple(m for m in ENCODER_POINTS if m <= max_rows) or (max(1, max_rows),)
+    name = jnp.dtype(dtype).name
+    return [Case(w, (k,), (n,), layers, name, int8=False, points=pts, flat=True) for w, (k, n) in matrices.items()]
+
+
+def configure_encoder(choice: str, plat: str, dtype: Any, tp: int, matrices: dict[str, tuple[int, int]],
+                      layers: int, max_rows: int, timer: Optional[Timer] = None) -> Optional[MatmulPlan]:
+    """--cpu-matmul for an encoder's layer matrices: "kernel" routes every one to the packed-panel
+    kernel (an error where it cannot run, as for decoders); "auto" times XLA's dot against the
+    kernel per matrix at ENCODER_POINTS rows where the kernel can run (CPU, tp 1) and keeps the
+    faster by the decoder's rule (`_route`); "xla" and "blas" keep XLA's dot (None).
+
+    Why time: at batch 1 the kernel wins and XLA's dot loses twice, on the small-M product and
+    on the copy `lax.scan` makes of each layer's weight slice (the kernel reads its packed
+    panels whole, with the layer index). all-MiniLM-L6-v2 whole programs, float32, this host,
+    XLA / kernel ms: 1 x 16 tokens 5.45 / 3.18, 1 x 48 8.36 / 6.34, 8 x 48 35.6 / 35.9, 32 x 48
+    130 / 142, 8 x 256 400 / 428. So small programs want the kernel and large ones XLA's dot,
+    and the crossover moves with the host. Cost: 4 matrices x 4 row counts x 2 paths, a few
+    seconds on a cold start (cached with the kernel build, so nothing on a warm one)."""
+    if choice == "kernel":
+        cpu_kernels.resolve(choice, plat, dtype, "none", tp)      # raises where the kernel cannot run
+        return MatmulPlan(routes=tuple((w, ((UNBOUNDED, "kernel"),)) for w in matrices), source="forced")
+    if choice != "auto" or cpu_kernels.resolve("auto", plat, dtype, "none", tp) != "kernel":
         return None
-    cpu_kernels.resolve(choice, plat, dtype, "none", tp)          # raises where the kernel cannot run
-    return MatmulPlan(routes=tuple((w, ((UNBOUNDED, "kernel"),)) for w in matrices), source="forced")
+    return choose(encoder_cases(matrices, layers, dtype, max_rows), 0, timer=timer)
 
 
 def configure(choice: str, cfg: Any, plat: str, dtype: Any, quantize: str, tp: int, *, decode_rows: int,

@@ -343,7 +343,7 @@ def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
     if choice not in CHOICES:
         raise InvalidRequest(f"--cpu-matmul {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "xla":
-        log.info("decoder matmuls: XLA dot (--cpu-matmul xla)")
+        log.info("layer matmuls: XLA dot (--cpu-matmul xla)")
         return "xla"
     why = None
     if plat != "cpu":
@@ -362,11 +362,11 @@ def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
         why = blas_reason()
     if why is None:
         if choice in ("kernel", "blas"):
-            log.info("decoder matmuls: %s (--cpu-matmul %s)",
+            log.info("layer matmuls: %s (--cpu-matmul %s)",
                      "packed-panel CPU kernel" if choice == "kernel" else f"library sgemm ({_state.get('blas_lib')})", choice)
             return choice
         return "kernel"
     if choice in ("kernel", "blas"):
         raise InvalidRequest(f"--cpu-matmul {choice}: {why}; use auto or xla")
-    log.info("decoder matmuls: XLA dot (%s)", why)
+    log.info("layer matmuls: XLA dot (%s)", why)
     return "xla"

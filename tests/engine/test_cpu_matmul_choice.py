@@ -274,13 +274,33 @@ def test_both_paths_agree_on_the_same_weights(mixed_engine):
     assert plan.path("lm_head", 1) == "kernel" and plan.path("lm_head", 3) == "xla"
 
 
-def test_encoder_matmul_choice():
+def test_encoder_matmul_choice(decisions):
     """Encoders: `kernel` routes every layer matrix to the kernel (refused where it cannot run);
-    auto, xla and blas keep XLA's dot without timing anything (choose.configure_encoder says why)."""
+    `xla` and `blas` keep XLA's dot; `auto` times both paths per matrix at ENCODER_POINTS rows
+    (up to the largest program) and the faster one wins, whichever is made slow."""
     dims = {"qkv_w": (64, 192), "attn_out_w": (64, 64), "ffn_in_w": (64, 256), "ffn_out_w": (256, 64)}
-    plan = C.configure_encoder("kernel", "cpu", jnp.float32, 1, dims)
+    plan = C.configure_encoder("kernel", "cpu", jnp.float32, 1, dims, layers=2, max_rows=2048)
     assert plan.mode == "kernel" and all(plan.path(w, m) == "kernel" for w in dims for m in (1, 10 ** 6))
-    for choice in ("auto", "xla", "blas"):
-        assert C.configure_encoder(choice, "cpu", jnp.float32, 1, dims) is None
+    for choice in ("xla", "blas"):
+        assert C.configure_encoder(choice, "cpu", jnp.float32, 1, dims, layers=2, max_rows=2048) is None
     with pytest.raises(InvalidRequest, match="--cpu-matmul kernel"):
-        C.configure_encoder("kernel", "gpu", jnp.float32, 1, dims)
+        C.configure_encoder("kernel", "gpu", jnp.float32, 1, dims, layers=2, max_rows=2048)
+    never = FakeTimer(lambda w, m: pytest.fail("nothing is timed off the CPU"))
+    assert C.configure_encoder("auto", "gpu", jnp.float32, 1, dims, layers=2, max_rows=2048, timer=never) is None
+    for slow in ("xla", "kernel"):
+        for f in decisions.iterdir():          # the same matrices: a cached decision would answer
+            f.unlink()
+        timer = FakeTimer(lambda w, m: (3e-3, 1e-3) if slow == "xla" else (1e-3, 3e-3))
+        got = C.configure_encoder("auto", "cpu", jnp.float32, 1, dims, layers=2, max_rows=512 if slow == "xla" else 2048,
+                                  timer=timer)
+        fast = "kernel" if slow == "xla" else "xla"
+        assert all(got.path(w, m) == fast for w in dims for m in (16, 300, 2048))
+        want = [m for m in C.ENCODER_POINTS if m <= (512 if slow == "xla" else 2048)]
+        assert sorted(timer.calls) == sorted((w, m) for w in dims for m in want)
+    # mixed: the kernel wins small programs, XLA's dot large ones, each by more than the margin
+    for f in decisions.iterdir():
+        f.unlink()
+    mixed = C.configure_encoder("auto", "cpu", jnp.float32, 1, dims, layers=2, max_rows=2048,
+                                timer=FakeTimer(lambda w, m: (3e-3, 1e-3) if m <= 64 else (1e-3, 3e-3)))
+    assert [mixed.path("qkv_w", m) for m in (16, 64, 128, 129, 256, 2048)] == ["kernel"] * 3 + ["xla"] * 3
+    assert mixed.layouts("qkv_w") == {"kernel", "xla"}

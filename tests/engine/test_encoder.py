@@ -146,10 +146,12 @@ def test_minilm_matches_sentence_transformers(minilm_worker, sentences, st_refer
 
 
 def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_worker, sentences, st_reference):
-    """The default worker (--cpu-matmul auto) runs on XLA's dot; with `kernel` the packed-panel
-    kernel serves every matrix at every program size: the same embeddings as sentence-transformers,
-    nothing compiled after warmup, and the route in the stats."""
-    assert [(r.weight, r.path) for r in minilm_worker.stats().matmul_routes] == [("all", "xla")]
+    """The default worker (--cpu-matmul auto) serves each matrix on the path timed fastest here
+    (its routes in the stats); with `kernel` the packed-panel kernel serves every matrix at every
+    program size: the same embeddings as sentence-transformers, nothing compiled after warmup."""
+    routes = minilm_worker.stats().matmul_routes
+    assert {r.weight for r in routes} == set(bert.MATRICES) and {r.path for r in routes} <= {"xla", "kernel"}
+    assert minilm_worker.cfg.matmul_plan.source in ("measured", "cached")
     spec = ModelSpec(name="minilm-k", path=minilm_path, max_model_len=256)
     w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256, cpu_matmul="kernel"))
     qkv = w.model().encoder.layer.attention.qkv
@@ -165,6 +167,37 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
         assert float(np.abs(one.embeddings - st_reference[:1]).max()) < 1e-4
         assert w.compilations_after_warmup == 0
         assert [(r.weight, r.path) for r in w.stats().matmul_routes] == [(m, "kernel") for m in bert.MATRICES]
+    finally:
+        w.stop()
+
+
+def test_minilm_mixed_plan_matches_sentence_transformers(minilm_path, sentences, st_reference, monkeypatch, tmp_path):
+    """auto with the kernel made artificially slow on large programs and XLA's dot on small ones:
+    small programs on the kernel, large ones on XLA (both layouts kept), each the same embeddings
+    as sentence-transformers, nothing compiled after warmup."""
+    from jax_engine.kernels import choose
+
+    def timer(case, m, runs):
+        return {"xla": 3e-3, "kernel": 1e-3} if m <= 64 else {"xla": 1e-3, "kernel": 3e-3}
+
+    monkeypatch.setattr(choose, "decision_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(choose, "default_timer", timer)
+    spec = ModelSpec(name="minilm-mixed", path=minilm_path, max_model_len=256)
+    w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=2048, cpu_matmul="auto"))
+    plan = w.cfg.matmul_plan
+    assert plan.source == "measured"
+    assert all(plan.path(m, 64) == "kernel" and plan.path(m, 256) == "xla" for m in bert.MATRICES)
+    qkv = w.model().encoder.layer.attention.qkv
+    assert qkv.panels is not None and qkv.weight is not None         # both layouts
+    w.warmup(progress=False)
+    w.start()
+    try:
+        big = run(w, EmbedRequest("big", texts=sentences[:32]))       # programs of >= 256 rows: XLA
+        one = run(w, EmbedRequest("one", texts=sentences[:1]))        # a batch-1 program: the kernel
+        assert w.padded_tokens >= 256 + 16
+        for out, ref in ((big, st_reference[:32]), (one, st_reference[:1])):
+            assert float(np.abs(out.embeddings - ref).max()) < 1e-4
+        assert w.compilations_after_warmup == 0
     finally:
         w.stop()
 
