@@ -172,9 +172,9 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
         help="decoder attention: auto (Pallas kernels on GPU / TPU, pure JAX on CPU), reference (pure JAX), "
              "pallas (the platform's Pallas kernel; refused on CPU)")
     opt(m, "--cpu-matmul", default=d["cpu_matmul"], choices=["auto", "xla", "kernel", "blas"],
-        help="decoder matmuls on CPU: auto (times XLA's dot and the packed-panel C++ kernel per matrix and row "
-             "class at first start, keeps the faster; cached), xla, kernel (encoders too), blas (numpy's OpenBLAS, "
-             "float32); refused where they cannot run")
+        help="layer matmuls on CPU, decoders and encoders: auto (times XLA's dot and the packed-panel C++ kernel "
+             "per matrix and row class at first start, keeps the faster; cached), xla, kernel, blas (numpy's "
+             "OpenBLAS, float32, decoders); refused where they cannot run")
 
     lo = p.add_argument_group("LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors)")
     lo.add_argument("--lora", action="append", metavar="NAME=PATH", default=None,
