@@ -334,6 +334,8 @@ def sec_llamacpp(g: dict) -> list[str]:
                          f"{_f((lp.get('prefill_s') or 0) * 1e3, '{:.0f}')} | {_x(r.get('prefill_s'))} | {goal} | {met} | "
                          f"{gm.get('first_token_equal', '–')} of {gm.get('sequences', '–')} first tokens | "
                          f"{b.get('clean_rounds')} of {b.get('rounds')} |")
+    for dtype, why in (lc.get("failed") or {}).items():
+        lines.append(f"\n{dtype}: no llama.cpp columns, its peer process failed on this host ({why}).")
     return lines
 
 

@@ -81,7 +81,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common as C
 from benchmarks import gguf as G
-from benchmarks.peer_worker import Peer
+from benchmarks.peer_worker import Peer, PeerError
 
 NAME = "generate_vs_hf"
 
@@ -427,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     probes = [probe_limits(peer, run)]
     hf_loaded: dict[str, dict] = {}
     llama_loaded: dict[str, dict] = {}
+    llama_failed: dict[str, str] = {}
     raw: dict[str, dict] = {}
     sampled: dict[str, dict] = {}
     for dtype in dtypes:
@@ -434,12 +435,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if "hf" in run["peers"] and peer_dtype not in hf_loaded:
             hf_loaded[peer_dtype] = load_peer_model(peer, path, peer_dtype, run, cfg["vocab_size"])
         ltype = G.llama_type(dtype, half=a.llamacpp_half) if llama else None
+        row_llama = llama
         if llama:
-            llama_loaded[dtype] = load_llamacpp_model(llama, path, ltype, run, cfg["vocab_size"])
+            try:
+                llama_loaded[dtype] = load_llamacpp_model(llama, path, ltype, run, cfg["vocab_size"])
+            except PeerError as e:
+                # a peer that crashes on one GGUF type (seen: SIGSEGV in llama.cpp's Q8_0 warm-up on an
+                # AMX Xeon) costs that row its llama.cpp columns, not the whole run: say so, restart it
+                C.log(f"llama.cpp failed on {ltype}: {e}; this row has no llama.cpp columns")
+                llama_failed[dtype] = f"{ltype}: {e}"
+                llama.close()
+                llama, _ = start_llamacpp(run)
+                pids[1:] = [llama.pid]
+                peer.window_pids = llama.window_pids = total.pids = pids
+                row_llama = None
         raw[dtype] = measure_row(path, dtype, peer, run, cfg["vocab_size"],
                                  sampled_into=sampled if dtype == "float32" and not a.no_sampled else None,
-                                 llama=llama, llama_type=ltype)
-        if llama:
+                                 llama=row_llama, llama_type=ltype if row_llama else None)
+        if row_llama:
             llama.call("unload")
         probes.append(probe_limits(peer, run))
     if not a.no_sampled:
@@ -456,7 +469,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "retries": run["retries"], "torch_threads": peer.hello["torch_threads"],
         "peer": {"process": "benchmarks/peer_worker.py subprocess", "dtypes": PEER_DTYPE,
                  "load_s": {d: C.rnd(x["load_s"], 2) for d, x in hf_loaded.items()}},
-        "llamacpp": llamacpp_setup(llama, llama_note, llama_loaded, a.llamacpp_half),
+        "llamacpp": {**llamacpp_setup(llama, llama_note, llama_loaded, a.llamacpp_half),
+                     **({"failed": llama_failed} if llama_failed else {})},
         "engine_args": {"max_running_requests": run["max_running"], "max_num_batched_tokens": run["max_running"] * 128,
                         "max_model_len": run["max_model_len"], "page_size": 16, "enable_prefix_cache": False},
         "sampling": "greedy (temperature 0), ignore_eos, max_new_tokens = new_tokens",

@@ -141,6 +141,13 @@ def available() -> bool:
         return _state["ok"]
 
 
+def amx_active() -> bool:
+    """Whether the kernel runs bfloat16 GEMMs of 16+ rows on AMX tiles here (cpu.cc: amx_panel):
+    built with AMX (-march=native on such a CPU), CPUID says AMX-BF16, Linux granted the tile
+    state, and XLASERVE_AMX is not 0."""
+    return available() and bool(_state["lib"].XlaserveAmxActive())
+
+
 def reason() -> str:
     return _state.get("reason", "not built yet")
 

@@ -107,6 +107,40 @@ def test_int8_pairs_gemm_matches_numpy():
                 np.testing.assert_allclose(K.reference_gemm(xf, packed, li, N), want, rtol=1e-6, atol=1e-5)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_amx_tiles_match_numpy():
+    """bfloat16 and int8-in-bfloat16 GEMMs at M >= 16 with K a multiple of 32 run on AMX tiles
+    where the CPU has them (cpu.cc: amx_panel; it must be on wherever the CPU and the build allow,
+    unless XLASERVE_AMX=0), on the vdpbf16ps kernel elsewhere: the same float64-NumPy check
+    either way. Shapes: whole 16-row tiles plus a ragged tail, several 32-deep K steps, a ragged
+    last panel, layer 1 of 2."""
+    wanted = {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags() and os.environ.get("XLASERVE_AMX", "1") != "0"
+    assert K.amx_active() == wanted, f"AMX active {K.amx_active()}, CPU and environment allow it: {wanted}"
+    rng = np.random.default_rng(14)
+    L, K_, N = 2, 96, 150
+    w = jnp.asarray(rng.standard_normal((L, K_, N), dtype=np.float32)).astype(jnp.bfloat16)
+    q = rng.integers(-127, 128, (L, K_, N), dtype=np.int8)
+    s = (rng.random((L, N), dtype=np.float32) + 0.5) / 64
+    weights = {
+        "bfloat16": (K.pack(w, 1, stacked=True), np.asarray(w.astype(jnp.float32)).astype(np.float64)),
+        "int8": (K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True, pairs=True),
+                 q.astype(np.float64) * s[:, None, :].astype(np.float64)),
+    }
+    for name, (packed, wf) in weights.items():
+        for M in (16, 37, 200):
+            x = jnp.asarray(rng.standard_normal((M, K_), dtype=np.float32)).astype(jnp.bfloat16)
+            xf = np.asarray(x.astype(jnp.float32)).astype(np.float64)
+            got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, 1, N))(x, packed))
+            np.testing.assert_allclose(got, xf @ wf[1], rtol=1e-5, atol=1e-4, err_msg=f"{name} M={M}")
+
+
 def test_linear_keeps_structured_shapes():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((2, 4, 3, 8, 24), dtype=np.float32)            # [L, KVH, G, D, H], 3 contraction dims
