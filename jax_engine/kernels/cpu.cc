@@ -30,10 +30,12 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
-#include <cpuid.h>
 #include <cstdlib>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)   // x86 only: CPUID and the tile-state request
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
