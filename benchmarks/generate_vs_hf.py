@@ -437,15 +437,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ltype = G.llama_type(dtype, half=a.llamacpp_half) if llama else None
         row_llama = llama
         if llama:
-            try:
-                llama_loaded[dtype] = load_llamacpp_model(llama, path, ltype, run, cfg["vocab_size"])
-            except PeerError as e:
-                # a peer that crashes on one GGUF type (seen: SIGSEGV in llama.cpp's Q8_0 warm-up on an
-                # AMX Xeon) costs that row its llama.cpp columns, not the whole run: say so, restart it
-                C.log(f"llama.cpp failed on {ltype}: {e}; this row has no llama.cpp columns")
-                llama_failed[dtype] = f"{ltype}: {e}"
-                llama.close()
-                llama, _ = start_llamacpp(run)
+            llama, ok = load_llamacpp_row(llama, dtype, path, ltype, run, cfg["vocab_size"], llama_loaded, llama_failed)
+            if not ok:
                 pids[1:] = [llama.pid]
                 peer.window_pids = llama.window_pids = total.pids = pids
                 row_llama = None
@@ -516,6 +509,22 @@ def load_llamacpp_model(llama: Peer, path: str, gguf_type: str, run: dict, vocab
     for B in run["batches"]:
         llama.call("generate", prompts=make_prompts(B, run["prompt_len"], vocab, 999), new_tokens=4)
     return {**info, "gguf_type": gguf_type}
+
+
+def load_llamacpp_row(llama: Peer, dtype: str, path: str, gguf_type: str, run: dict, vocab: int, loaded: dict,
+                      failed: dict, restart=start_llamacpp) -> tuple[Peer, bool]:
+    """Load engine row `dtype`'s GGUF into the llama.cpp peer (into `loaded`). A peer that crashes
+    on one GGUF type (seen: SIGSEGV in llama.cpp's Q8_0 warm-up on an AMX Xeon) costs that row its
+    llama.cpp columns, not the whole run: the reason goes into `failed` and a fresh peer is started
+    for the later rows. Returns (the peer to use from now on, whether this row has llama.cpp)."""
+    try:
+        loaded[dtype] = load_llamacpp_model(llama, path, gguf_type, run, vocab)
+        return llama, True
+    except PeerError as e:
+        C.log(f"llama.cpp failed on {gguf_type}: {e}; this row has no llama.cpp columns")
+        failed[dtype] = f"{gguf_type}: {e}"
+        llama.close()
+        return restart(run)[0], False
 
 
 def llamacpp_setup(llama: Peer | None, note: str | None, loaded: dict, half: str) -> dict:

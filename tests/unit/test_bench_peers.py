@@ -177,6 +177,39 @@ def test_readme_renders_llamacpp_rows_with_type_and_ratio():
     skipped = M.sec_llamacpp({"setup": {"llamacpp": {"skipped": "llama-cpp-python not installed"}}, "rows": {}})
     assert any("not measured (llama-cpp-python not installed)" in ln for ln in skipped)
     assert M.sec_llamacpp({"setup": {}, "rows": {}}) == []       # results from before the llama.cpp peer
+    doc = _gen_doc()
+    doc["setup"]["llamacpp"]["failed"] = {"bfloat16+int8": "Q8_0: peer worker exited with -11 during 'generate'"}
+    text = "\n".join(M.sec_llamacpp(doc))
+    assert "bfloat16+int8: no llama.cpp columns, its peer process failed on this host (Q8_0: peer worker exited with -11" in text
+
+
+def test_a_crashing_llamacpp_peer_costs_only_its_row(monkeypatch):
+    """generate_vs_hf: a llama.cpp peer that dies loading one GGUF type is recorded and replaced;
+    the row goes on without llama.cpp columns and later rows get the fresh peer."""
+    from benchmarks import generate_vs_hf as GV
+    from benchmarks.peer_worker import PeerError
+
+    class FakePeer:
+        def __init__(self, crash):
+            self.crash, self.closed, self.pid = crash, False, id(self)
+
+        def call(self, cmd, **kw):
+            if self.crash and cmd == "generate":
+                raise PeerError("llama.cpp worker exited with -11 during 'generate'")
+            return {"params": 1, "contexts": {}} if cmd == "load" else {}
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(GV.G, "ensure_gguf", lambda path, t: f"{path}/{t}.gguf")
+    run = {"batches": [1], "prompt_len": 4, "new_tokens": 2}
+    loaded, failed, fresh = {}, {}, FakePeer(crash=False)
+    crashing = FakePeer(crash=True)
+    peer, ok = GV.load_llamacpp_row(crashing, "int8", "/m", "Q8_0", run, 32, loaded, failed, restart=lambda r: (fresh, None))
+    assert not ok and peer is fresh and crashing.closed and "int8" not in loaded
+    assert failed == {"int8": "Q8_0: llama.cpp worker exited with -11 during 'generate'"}
+    peer, ok = GV.load_llamacpp_row(peer, "float32", "/m", "F32", run, 32, loaded, failed)
+    assert ok and peer is fresh and loaded["float32"]["gguf_type"] == "F32"
 
 
 def _embed_doc(with_ort: bool) -> dict:
