@@ -108,7 +108,7 @@ import jax.numpy as jnp
 from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as cpu_kernels
 from jax_engine.kernels.plan import LAYOUT, PATHS, UNBOUNDED, MatmulPlan, Timing
-from jax_engine.models import llama
+from jax_engine.models import bert, llama
 
 log = logging.getLogger("xlaserve.kernels")
 
@@ -339,6 +339,49 @@ class _Point:
         self._args.clear()
 
 
+class _AttentionPoint:
+    """An encoder's self-attention at m tokens, both paths: XLA's (models/bert.py's
+    xla_attention) and the C++ kernel (cpu.encoder_attention), on one layer's [b, s, 3 H D]
+    projection with every token real. s = min(m, ATTENTION_SEQ), b = m // s: what a batch of
+    short sentences runs (MiniLM's corpus: 11-63 tokens)."""
+
+    def __init__(self, case: Case, m: int):
+        heads, d = case.k_dims
+        s = min(m, ATTENTION_SEQ)
+        b = max(1, m // s)
+        dt = jnp.dtype(case.dtype)
+        self.case, self.m, self.shape_class, self.layers = case, m, "prefill", 1
+        self.slice = f"{b} x {s} tokens, {heads} heads of {d} {dt.name}"
+        self.x = jax.ShapeDtypeStruct((b, s, 3 * heads * d), dt)
+        self.mask = jax.ShapeDtypeStruct((b, s), jnp.int32)
+        scale = 1.0 / math.sqrt(d)
+        self.fns = {"xla": jax.jit(lambda qkv, mask: bert.xla_attention(qkv, bert.attention_bias(mask), heads)),
+                    "kernel": jax.jit(lambda qkv, mask: cpu_kernels.encoder_attention(qkv, mask, heads, scale))}
+        self.paths = tuple(self.fns)
+        self._exe: dict[str, Any] = {}
+        self._args: Optional[tuple[jax.Array, jax.Array]] = None
+
+    def compile(self, path: str) -> None:
+        if path not in self._exe:
+            self._exe[path] = self.fns[path].lower(self.x, self.mask).compile()
+
+    def runner(self, path: str) -> Callable[[], None]:
+        def run() -> None:
+            self.compile(path)
+            if self._args is None:
+                k = jax.random.PRNGKey(0)
+                self._args = (jax.random.normal(k, self.x.shape, self.x.dtype), jnp.ones(self.mask.shape, jnp.int32))
+            jax.block_until_ready(self._exe[path](*self._args))
+        return run
+
+    def release(self) -> None:
+        self._args = None
+
+
+def _point(case: Case, m: int, decode_rows: int) -> "_Point | _AttentionPoint":
+    return _AttentionPoint(case, m) if case.weight == ATTENTION else _Point(case, m, decode_rows)
+
+
 Timer = Callable[[Case, int, dict[str, Callable[[], None]]], dict[str, float]]
 
 
@@ -413,7 +456,7 @@ def _log_plan(plan: MatmulPlan, cases_: list[Case]) -> None:
                         + f" ({t.slice})" for t in plan.timings if t.weight == w)
         route = ", ".join(f"{p} for M<={m}" if m != UNBOUNDED else (f"{p} beyond" if len(rs) > 1 else p) for m, p in rs)
         extra = ""
-        if len(plan.layouts(w)) == 2 and not (w == "lm_head" and c.tied):
+        if len(plan.layouts(w)) == 2 and not (w == "lm_head" and c.tied) and w != ATTENTION:
             extra = f"; both layouts kept: +{c.layers * c.k * c.n * c.itemsize / 2 ** 20:.0f} MiB"
         log.info("cpu matmul %s [%s -> %s] %s (%s): %s%s", w, c.k, c.n, "int8" if c.int8 else c.dtype,
                  plan.source, route, f" | {pts}{extra}" if pts else extra)
@@ -436,7 +479,7 @@ def choose(cases_: list[Case], decode_rows: int, *, timer: Optional[Timer] = Non
     except (OSError, ValueError, KeyError, TypeError):
         pass
     t0 = time.time()
-    points = [_Point(c, m, decode_rows) for c in cases_ for m in c.points]
+    points = [_point(c, m, decode_rows) for c in cases_ for m in c.points]
     timer = timer or default_timer
     if getattr(timer, "precompile", False):              # compile everything first, a few at a time
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -469,37 +512,52 @@ def choose(cases_: list[Case], decode_rows: int, *, timer: Optional[Timer] = Non
 
 # --------------------------------------------------------------------------- encoders
 ENCODER_POINTS = (16, 64, 256, 1024)    # rows (batch x sequence) an encoder's matrices are timed at
+ATTENTION = bert.ATTENTION              # the encoder self-attention's route name in a plan
+ATTENTION_SEQ = 64                      # sequence length of a timed attention point (b = rows / 64)
 
 
-def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any, max_rows: int) -> list[Case]:
+def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any, max_rows: int,
+                  attention: Optional[tuple[int, int]] = None) -> list[Case]:
     """An encoder's layer matrices ({name: (K, N)}, stacked over `layers`) and the row counts each
     is timed at: ENCODER_POINTS up to the largest program (`max_rows`), which span the bucket
-    programs from one short sentence (16 rows) to the batches (2,048 on CPU)."""
+    programs from one short sentence (16 rows) to the batches (2,048 on CPU). With `attention`
+    (heads, head_dim) the self-attention is a case too (_AttentionPoint), at the same token counts."""
     pts = tuple(m for m in ENCODER_POINTS if m <= max_rows) or (max(1, max_rows),)
     name = jnp.dtype(dtype).name
-    return [Case(w, (k,), (n,), layers, name, int8=False, points=pts, flat=True) for w, (k, n) in matrices.items()]
+    out = [Case(w, (k,), (n,), layers, name, int8=False, points=pts, flat=True) for w, (k, n) in matrices.items()]
+    if attention is not None:
+        heads, d = attention
+        out.append(Case(ATTENTION, (heads, d), (heads * d,), layers, name, int8=False, points=pts, flat=True))
+    return out
 
 
 def configure_encoder(choice: str, plat: str, dtype: Any, tp: int, matrices: dict[str, tuple[int, int]],
-                      layers: int, max_rows: int, timer: Optional[Timer] = None) -> Optional[MatmulPlan]:
-    """--cpu-matmul for an encoder's layer matrices: "kernel" routes every one to the packed-panel
-    kernel (an error where it cannot run, as for decoders); "auto" times XLA's dot against the
-    kernel per matrix at ENCODER_POINTS rows where the kernel can run (CPU, tp 1) and keeps the
-    faster by the decoder's rule (`_route`); "xla" and "blas" keep XLA's dot (None).
+                      layers: int, max_rows: int, timer: Optional[Timer] = None,
+                      attention: Optional[tuple[int, int]] = None) -> Optional[MatmulPlan]:
+    """--cpu-matmul for an encoder's layer matrices and, with `attention` ((heads, head_dim),
+    where the kernel takes that head size), its self-attention: "kernel" routes every one to the
+    C++ kernels (an error where they cannot run, as for decoders); "auto" times XLA's path
+    against the kernel per matrix (and the attention) at ENCODER_POINTS tokens where the kernel
+    can run (CPU, tp 1) and keeps the faster by the decoder's rule (`_route`); "xla" and "blas"
+    keep XLA's (None).
 
     Why time: at batch 1 the kernel wins and XLA's dot loses twice, on the small-M product and
     on the copy `lax.scan` makes of each layer's weight slice (the kernel reads its packed
     panels whole, with the layer index). all-MiniLM-L6-v2 whole programs, float32, this host,
     XLA / kernel ms: 1 x 16 tokens 5.45 / 3.18, 1 x 48 8.36 / 6.34, 8 x 48 35.6 / 35.9, 32 x 48
     130 / 142, 8 x 256 400 / 428. So small programs want the kernel and large ones XLA's dot,
-    and the crossover moves with the host. Cost: 4 matrices x 4 row counts x 2 paths, a few
-    seconds on a cold start (cached with the kernel build, so nothing on a warm one)."""
+    and the crossover moves with the host. The attention, XLA / kernel ms per layer (a 2-vCPU
+    Xeon with AMX): 32 x 48 tokens 4.1-4.5 / 1.3-1.5; timed points 1 x 16 0.098 / 0.020,
+    16 x 64 6.9 / 1.6. Whole MiniLM programs with it (measured plan, before -> after): 1 x 16
+    4.34 -> 3.81 ms, 1 x 48 7.28 -> 6.03, 32 x 48 155 -> 138. Cost: 5 cases x 4 token counts x 2
+    paths, a few seconds on a cold start (cached with the kernel build, so nothing on a warm one)."""
+    names = list(matrices) + ([ATTENTION] if attention is not None else [])
     if choice == "kernel":
         cpu_kernels.resolve(choice, plat, dtype, "none", tp)      # raises where the kernel cannot run
-        return MatmulPlan(routes=tuple((w, ((UNBOUNDED, "kernel"),)) for w in matrices), source="forced")
+        return MatmulPlan(routes=tuple((w, ((UNBOUNDED, "kernel"),)) for w in names), source="forced")
     if choice != "auto" or cpu_kernels.resolve("auto", plat, dtype, "none", tp) != "kernel":
         return None
-    return choose(encoder_cases(matrices, layers, dtype, max_rows), 0, timer=timer)
+    return choose(encoder_cases(matrices, layers, dtype, max_rows, attention), 0, timer=timer)
 
 
 def configure(choice: str, cfg: Any, plat: str, dtype: Any, quantize: str, tp: int, *, decode_rows: int,

@@ -40,6 +40,7 @@ I8_TARGET = "xlaserve_cpu_gemm_i8"
 BF16_TARGET = "xlaserve_cpu_gemm_bf16"
 I8_BF16_TARGET = "xlaserve_cpu_gemm_i8_bf16"
 ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
+ENC_ATTN_TARGET = "xlaserve_cpu_encoder_attention_f32"
 BLAS_TARGET = "xlaserve_cpu_blas_gemm_f32"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 _lock = threading.Lock()
@@ -133,6 +134,8 @@ def available() -> bool:
             jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBF16), platform="cpu")
             jax.ffi.register_ffi_target(I8_BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8BF16), platform="cpu")
             jax.ffi.register_ffi_target(ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveDecodeAttentionF32), platform="cpu")
+            jax.ffi.register_ffi_target(ENC_ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveEncoderAttentionF32),
+                                        platform="cpu")
             jax.ffi.register_ffi_target(BLAS_TARGET, jax.ffi.pycapsule(lib.XlaserveBlasGemmF32), platform="cpu")
             _state.update(ok=True, reason="", lib=lib)
         except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot instead
@@ -318,6 +321,22 @@ def decode_attention(q: jax.Array, kc: jax.Array, vc: jax.Array, page_table: jax
     return jax.ffi.ffi_call(ATTN_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), kc, vc, i32(page_table), i32(kv_lens), i32(positions), i32(layer).reshape(()),
         page_size=int(page_size), window=int(window), scale=np.float32(scale))
+
+
+def encoder_attention(qkv: jax.Array, mask: jax.Array, heads: int, scale: float) -> jax.Array:
+    """Bidirectional attention of an encoder batch (cpu.cc: XlaserveEncoderAttentionF32): qkv
+    [B, S, 3 H D] (the fused projection's q, k, v), mask [B, S] (> 0: a real token); query i of
+    row b attends to row b's real keys. Returns [B, S, H D] float32, zeros at padding queries.
+    D must be a multiple of 16 (`encoder_attention_fits`)."""
+    _require()
+    b, s, w = qkv.shape
+    return jax.ffi.ffi_call(ENC_ATTN_TARGET, jax.ShapeDtypeStruct((b, s, w // 3), jnp.float32))(
+        qkv.astype(jnp.float32), jnp.asarray(mask, jnp.int32), heads=int(heads), scale=np.float32(scale))
+
+
+def encoder_attention_fits(head_dim: int) -> bool:
+    """Whether the encoder attention kernel takes this head size (whole 16-float vectors)."""
+    return head_dim > 0 and head_dim % 16 == 0
 
 
 def reference_gemm(x: np.ndarray, w_packed: Any, layer: int, n: int) -> np.ndarray:

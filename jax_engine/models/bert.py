@@ -414,18 +414,19 @@ class Layer(nnx.Module):
     def __init__(self, attention: Attention, intermediate: Intermediate, output: Output):
         self.attention, self.intermediate, self.output = attention, intermediate, output
 
-    def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array, li: jax.Array) -> jax.Array:
+    def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array, mask: jax.Array,
+                 li: jax.Array) -> jax.Array:
         """One post-LN block (this layer's slice). x: [B, S, H] float32 residual stream; weights in
-        the model dtype."""
+        the model dtype; attention on the path the plan names for the program's B x S tokens."""
         at = self.attention
         dt = at.qkv.bias[...].dtype
         b, s, h = x.shape
         qkv = at.qkv(c, x.astype(dt), li)
-        q, k, v = jnp.split(qkv.reshape(b, s, 3, c.num_heads, c.head_dim), 3, axis=2)
-        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        probs = jax.nn.softmax(scores / np.sqrt(c.head_dim) + mask_bias, axis=-1)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dt), v).reshape(b, s, h)
+        plan = c.matmul_plan
+        if plan is not None and ATTENTION in dict(plan.routes) and plan.path(ATTENTION, b * s) == "kernel":
+            ctx = cpu_kernels.encoder_attention(qkv, mask, c.num_heads, 1.0 / np.sqrt(c.head_dim)).astype(dt)
+        else:
+            ctx = xla_attention(qkv, mask_bias, c.num_heads)
         attn = at.output.dense(c, ctx, li)
         x = at.output.LayerNorm(x + attn.astype(jnp.float32), c.layer_norm_eps)
         inner = _ACTIVATIONS[c.hidden_act](self.intermediate.dense(c, x.astype(dt), li))
@@ -437,11 +438,11 @@ class Encoder(nnx.Module):
     def __init__(self, layer: Layer):
         self.layer = layer
 
-    def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array) -> jax.Array:
+    def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array, mask: jax.Array) -> jax.Array:
         # packed panels pass whole (the kernel takes the layer index), so the scan does not slice them
         def body(carry: tuple[jax.Array, jax.Array], layer: "Layer", _) -> tuple[jax.Array, jax.Array]:
             x, li = carry
-            return layer(c, x, mask_bias, li), li + 1
+            return layer(c, x, mask_bias, mask, li), li + 1
 
         return stacked.scan(self.layer, lambda path: path.split(".")[-1] == "panels", c.num_layers, body,
                             (x, jnp.int32(0)))[0]
@@ -474,17 +475,40 @@ class EncoderModel(nnx.Module):
         """Last hidden state [B, S, H] float32. Inputs are [B, S] int32, right padded."""
         x = self.embeddings(c, input_ids, token_type_ids)
         # Finite large negative (not -inf) so an all-padding row of a bucket stays NaN-free.
-        mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
-        return self.encoder(c, x, mask_bias)
+        return self.encoder(c, x, attention_bias(attention_mask), attention_mask)
+
+
+def attention_bias(attention_mask: jax.Array) -> jax.Array:
+    """[B, 1, 1, S] additive score bias: 0 at real keys, a finite large negative (not -inf, so an
+    all-padding row of a bucket stays NaN-free) at padding."""
+    return jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+
+
+def xla_attention(qkv: jax.Array, mask_bias: jax.Array, heads: int) -> jax.Array:
+    """XLA's path for the self-attention of qkv [B, S, 3 H D] (the fused projection) under
+    mask_bias (`attention_bias`): [B, S, H D] in qkv's dtype, scores and softmax in float32."""
+    b, s, w = qkv.shape
+    d = w // (3 * heads)
+    q, k, v = jnp.split(qkv.reshape(b, s, 3, heads, d), 3, axis=2)
+    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores / np.sqrt(d) + mask_bias, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(qkv.dtype), v).reshape(b, s, heads * d)
 
 
 MATRICES = ("qkv_w", "attn_out_w", "ffn_in_w", "ffn_out_w")
+ATTENTION = "attention"      # the self-attention's route in the plan (XLA's path or cpu.encoder_attention)
 
 
 def matrix_dims(c: EncoderConfig) -> dict[str, tuple[int, int]]:
     """(K, N) of each layer matrix, [in, out] as stored."""
     h, i = c.hidden_size, c.intermediate_size
     return {"qkv_w": (h, 3 * h), "attn_out_w": (h, h), "ffn_in_w": (h, i), "ffn_out_w": (i, h)}
+
+
+def attention_dims(c: EncoderConfig) -> Optional[tuple[int, int]]:
+    """(heads, head_dim) when the CPU attention kernel takes this model's heads, else None."""
+    return (c.num_heads, c.head_dim) if cpu_kernels.encoder_attention_fits(c.head_dim) else None
 
 
 def layer_matrices(model: "EncoderModel") -> dict[str, "Dense"]:

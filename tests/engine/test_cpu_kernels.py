@@ -203,6 +203,39 @@ def test_ragged_attention_matches_reference(D, G, window):
         assert np.all(got[~real] == 0)
 
 
+def _encoder_attention_reference(qkv: np.ndarray, mask: np.ndarray, heads: int) -> np.ndarray:
+    b, s, w = qkv.shape
+    d = w // (3 * heads)
+    q, k, v = (a.reshape(b, s, heads, d).astype(np.float64) for a in np.split(qkv, 3, axis=-1))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d) + np.where(mask[:, None, None, :] > 0, 0.0, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v).reshape(b, s, heads * d)
+
+
+@pytest.mark.parametrize("B,S,H,D", [(3, 13, 2, 16), (2, 48, 12, 32), (4, 37, 3, 64), (2, 20, 2, 128)])
+def test_encoder_attention_matches_numpy(B, S, H, D):
+    """The encoder attention kernel: every real query against its row's real keys (right padding,
+    a row with holes in its mask, a row of one token), float64 NumPy as the truth; padding
+    queries are zeros; and the same numbers as models/bert.py's XLA path at real queries."""
+    from jax_engine.models import bert
+
+    rng = np.random.default_rng(B * S + D)
+    qkv = rng.standard_normal((B, S, 3 * H * D)).astype(np.float32)
+    lens = rng.integers(1, S + 1, B)
+    lens[-1] = 1
+    mask = (np.arange(S)[None, :] < lens[:, None]).astype(np.int32)
+    if B > 2:
+        mask[0] = 0
+        mask[0, [1, 4, 7]] = 1                                 # not a prefix: the kernel reads the mask, not a length
+    got = np.asarray(jax.jit(lambda a, m: K.encoder_attention(a, m, H, D ** -0.5))(qkv, mask))
+    real = mask > 0
+    np.testing.assert_allclose(got[real], _encoder_attention_reference(qkv, mask, H)[real], rtol=2e-5, atol=2e-6)
+    assert not got[~real].any()
+    xla = np.asarray(jax.jit(lambda a, m: bert.xla_attention(a, bert.attention_bias(m), H))(qkv, mask))
+    np.testing.assert_allclose(got[real], xla[real], rtol=2e-5, atol=2e-6)
+    assert K.encoder_attention_fits(D) and not K.encoder_attention_fits(24)
+
+
 def test_reference_attention_is_per_token_softmax():
     """The reference itself against numpy: each token attends its row's keys at positions below its
     position + 1 (inside the window), read through the page table."""

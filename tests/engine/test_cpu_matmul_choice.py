@@ -304,3 +304,15 @@ def test_encoder_matmul_choice(decisions):
                                 timer=FakeTimer(lambda w, m: (3e-3, 1e-3) if m <= 64 else (1e-3, 3e-3)))
     assert [mixed.path("qkv_w", m) for m in (16, 64, 128, 129, 256, 2048)] == ["kernel"] * 3 + ["xla"] * 3
     assert mixed.layouts("qkv_w") == {"kernel", "xla"}
+    # the self-attention is a case of its own when the kernel takes the head size: timed at the
+    # same token counts, routed by the same rule, forced with the matrices by `kernel`
+    forced = C.configure_encoder("kernel", "cpu", jnp.float32, 1, dims, layers=2, max_rows=2048, attention=(2, 32))
+    assert forced.path(C.ATTENTION, 1) == "kernel" and forced.path(C.ATTENTION, 10 ** 6) == "kernel"
+    for slow in ("xla", "kernel"):
+        for f in decisions.iterdir():
+            f.unlink()
+        timer = FakeTimer(lambda w, m: (1e-3, 1e-3) if w != C.ATTENTION else ((3e-3, 1e-3) if slow == "xla" else (1e-3, 3e-3)))
+        got = C.configure_encoder("auto", "cpu", jnp.float32, 1, dims, layers=2, max_rows=2048, timer=timer,
+                                  attention=(2, 32))
+        assert all(got.path(C.ATTENTION, m) == ("kernel" if slow == "xla" else "xla") for m in (16, 300, 2048))
+        assert sorted(m for w, m in timer.calls if w == C.ATTENTION) == list(C.ENCODER_POINTS)

@@ -150,7 +150,7 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
     (its routes in the stats); with `kernel` the packed-panel kernel serves every matrix at every
     program size: the same embeddings as sentence-transformers, nothing compiled after warmup."""
     routes = minilm_worker.stats().matmul_routes
-    assert {r.weight for r in routes} == set(bert.MATRICES) and {r.path for r in routes} <= {"xla", "kernel"}
+    assert {r.weight for r in routes} == {*bert.MATRICES, bert.ATTENTION} and {r.path for r in routes} <= {"xla", "kernel"}
     assert minilm_worker.cfg.matmul_plan.source in ("measured", "cached")
     spec = ModelSpec(name="minilm-k", path=minilm_path, max_model_len=256)
     w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256, cpu_matmul="kernel"))
@@ -166,7 +166,7 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
         one = run(w, EmbedRequest("k1", texts=sentences[:1]))           # a batch-1 program
         assert float(np.abs(one.embeddings - st_reference[:1]).max()) < 1e-4
         assert w.compilations_after_warmup == 0
-        assert [(r.weight, r.path) for r in w.stats().matmul_routes] == [(m, "kernel") for m in bert.MATRICES]
+        assert [(r.weight, r.path) for r in w.stats().matmul_routes] == [(m, "kernel") for m in (*bert.MATRICES, bert.ATTENTION)]
     finally:
         w.stop()
 
@@ -186,7 +186,7 @@ def test_minilm_mixed_plan_matches_sentence_transformers(minilm_path, sentences,
     w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=2048, cpu_matmul="auto"))
     plan = w.cfg.matmul_plan
     assert plan.source == "measured"
-    assert all(plan.path(m, 64) == "kernel" and plan.path(m, 256) == "xla" for m in bert.MATRICES)
+    assert all(plan.path(m, 64) == "kernel" and plan.path(m, 256) == "xla" for m in (*bert.MATRICES, bert.ATTENTION))
     qkv = w.model().encoder.layer.attention.qkv
     assert qkv.panels is not None and qkv.weight is not None         # both layouts
     w.warmup(progress=False)
