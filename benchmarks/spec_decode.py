@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "prompt_bytes": PROMPT_BYTES, "copy_span": COPY_SPAN, "copy_cue": COPY_CUE,
                     "max_running_requests": 8, "token_budget": engines["off"].stats("m").max_num_batched_tokens,
                     "build_s": {k: C.rnd(v, 1) for k, v in build_s.items()},
-                    "step_ms": {f"{T}{'+spec' if s else ''}": C.rnd(v, 3) for (T, s), v in
-                                sorted(engines["suffix"]._workers["m"].replicas[0].runner.step_ms.items())}}
+                    "step_ms": {f"{T}{'+spec' if s else ''}{'' if g else ' sampled'}": C.rnd(v, 3) for (T, s, g), v in
+                                sorted(engines["suffix"]._workers["m"].replicas[0].runner.step_ms.items(),
+                                       key=lambda kv: (not kv[0][2], kv[0][0], kv[0][1]))}}
     if small:
         import numpy as np
 

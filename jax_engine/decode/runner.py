@@ -231,7 +231,7 @@ class ModelRunner:
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else jax.local_devices()[0]
         self.kv_dtype = backend.kv_dtype(dtype)
         self.state = self._new_state()
-        self.step_ms: dict[tuple[int, bool], float] = {}     # speculation's cost model (time_steps)
+        self.step_ms: dict[tuple[int, bool, bool], float] = {}   # speculation's cost model (time_steps)
         self.lora: Optional[lora_bank.Bank] = (
             lora_bank.new_bank(cfg, rc.lora_slots, rc.lora_rank, dtype, mesh) if rc.lora_slots > 0 else None)
         self._register()
@@ -565,42 +565,49 @@ class ModelRunner:
             self.time_steps()
 
     def time_steps(self, repeats: int = 5, context: int = 256) -> None:
-        """Speculation's cost model: the wall time of a whole greedy `step` call (argument
-        building, transfer, the program, fetching the tokens) per token bucket, plain and "spec",
-        best of `repeats`, in ms by (token bucket, spec), on dummy rows at `context` positions:
-        min(T, max_running) rows sharing the bucket's tokens, every position sampled in a spec
-        step (as verification does). How many guesses a step should carry depends on what a wider
-        step costs on this host: on the 2-core reference machine the trained 3 M-parameter model
-        (benchmarks/train_tiny.py, 8 rows) took ~3.3 ms per step of 8 decode tokens, of which
-        ~1.2 ms building arguments and ~1.4 ms waiting for the device, against ~7-8 ms of device
-        time alone for 64 tokens; on an accelerator a step of 40 tokens costs what one of 8 does.
+        """Speculation's cost model: the wall time of a whole `step` call (argument building,
+        transfer, the program, fetching the tokens) per token bucket, plain and "spec", greedy
+        and sampled, best of `repeats`, in ms by (token bucket, spec, greedy), on dummy rows at
+        `context` positions: min(T, max_running) rows sharing the bucket's tokens, every position
+        sampled in a spec step (as verification does). How many guesses a step should carry
+        depends on what a wider step costs on this host: on the 2-core reference machine the
+        trained 3 M-parameter model (benchmarks/train_tiny.py, 8 rows) took ~3.3 ms per step of
+        8 decode tokens, of which ~1.2 ms building arguments and ~1.4 ms waiting for the device,
+        against ~7-8 ms of device time alone for 64 tokens; on an accelerator a step of 40 tokens
+        costs what one of 8 does. Sampled steps are timed apart because their spec variant costs
+        more: its rejection sampling runs over every verified position (a 2-vCPU Xeon, that
+        model, ms greedy / sampled: 8 plain 1.15 / 1.45, 24 + spec 2.02 / 2.87, 40 + spec
+        2.61 / 3.52); with the greedy table the planner kept guesses that did not pay for
+        sampled rows (8 rows at temperature 0.8: 0.92x the speed without speculation).
         Not run on a multi-host slice (the calls would have to be mirrored); the planner then
-        treats every width as equal. Timings on a busy host are noisy, so the table is made
+        treats every width as equal. Timings on a busy host are noisy, so each table is made
         monotone: a wider bucket never costs less than a narrower one, a "spec" program never less
         than the plain one."""
-        out: dict[tuple[int, bool], float] = {}
+        out: dict[tuple[int, bool, bool], float] = {}
         compiled = set(self.programs.keys())
-        for T in self.token_buckets:
-            for spec in ((False, True) if self.rc.spec_tokens > 0 else (False,)):
-                rows = self._timing_rows(T, spec, context, compiled)
-                if rows is None:
-                    continue
-                best = math.inf
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    self.step(rows, True)
-                    best = min(best, time.perf_counter() - t0)
-                out[(T, spec)] = best * 1000.0
-        floor = 0.0
-        for T in self.token_buckets:
-            for spec in (False, True):
-                if (T, spec) in out:
-                    floor = out[(T, spec)] = max(floor, out[(T, spec)])
+        for greedy in (True, False):
+            for T in self.token_buckets:
+                for spec in ((False, True) if self.rc.spec_tokens > 0 else (False,)):
+                    rows = self._timing_rows(T, spec, context, compiled, greedy)
+                    if rows is None:
+                        continue
+                    best = math.inf
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        self.step(rows, greedy)
+                        best = min(best, time.perf_counter() - t0)
+                    out[(T, spec, greedy)] = best * 1000.0
+            floor = 0.0
+            for T in self.token_buckets:
+                for spec in (False, True):
+                    if (T, spec, greedy) in out:
+                        floor = out[(T, spec, greedy)] = max(floor, out[(T, spec, greedy)])
         self.step_ms = out
 
-    def _timing_rows(self, T: int, spec: bool, context: int, compiled: set) -> Optional[list[StepRow]]:
-        """Dummy rows filling token bucket T exactly (KV written to reserved page 0), or None when
-        no compiled program fits them."""
+    def _timing_rows(self, T: int, spec: bool, context: int, compiled: set,
+                     greedy: bool = True) -> Optional[list[StepRow]]:
+        """Dummy rows filling token bucket T exactly (KV written to reserved page 0), sampled at
+        temperature 0 or (not greedy) 1, or None when no compiled program fits them."""
         ps, S = self.rc.page_size, self.samples_for(T, spec)
         R = self.rows_for(T)
         sizes = [T // R + (1 if i < T % R else 0) for i in range(R)]
@@ -609,15 +616,17 @@ class ModelRunner:
         for n in sizes:
             k = min(n, max(1, room - (R - len(rows) - 1))) if spec else 1
             room -= k
-            samples = [SampleRow(self.dummy_slot, SamplingRow(), at=n - k + j, draft=0 if spec and j < k - 1 else -1)
+            samples = [SampleRow(self.dummy_slot, SamplingRow(temperature=0.0 if greedy else 1.0), at=n - k + j,
+                                 draft=0 if spec and j < k - 1 else -1)
                        for j in range(k)]
             if spec and k == 1:
                 samples[0].draft = 0
             start = max(0, min(context, self.p_max * ps - n))
             rows.append(StepRow(tokens=[0] * n, start=start, pages=[0] * self.p_max, samples=samples))
         key = self.step_shape(rows) + (("spec",) if spec else ())
-        return rows if ("step_greedy", key) in compiled else None
+        return rows if ("step_greedy" if greedy else "step_sample", key) in compiled else None
 
-    def step_cost(self, tokens: int, spec: bool) -> float:
-        """Measured ms of a greedy step over `tokens` tokens (time_steps); 1.0 when not measured."""
-        return self.step_ms.get((pick(self.token_buckets, max(1, tokens)), spec), 1.0)
+    def step_cost(self, tokens: int, spec: bool, greedy: bool = True) -> float:
+        """Measured ms of a step over `tokens` tokens (time_steps), greedy or sampled; 1.0 when
+        not measured."""
+        return self.step_ms.get((pick(self.token_buckets, max(1, tokens)), spec, greedy), 1.0)

@@ -206,7 +206,11 @@ class Scheduler:
                               self.max_model_len - seq.total_len - 1))
         # rows whose guesses could not pay even if every guess came: skip their proposer's work
         tracks = [s.spec for s in decoding]
-        could = d.choose([[0] * max(0, k) for k in limits], tracks, len(decoding), room, self.runner.step_cost)
+        greedy = all(s.req.params.temperature <= 0 for s in decoding)     # which step program runs
+
+        def cost(tokens: int, spec: bool) -> float:
+            return self.runner.step_cost(tokens, spec, greedy)
+        could = d.choose([[0] * max(0, k) for k in limits], tracks, len(decoding), room, cost)
         props: list[list[int]] = []
         for seq, limit, c in zip(decoding, limits, could):
             g = d.propose(seq.spec, seq.tokens, limit) if c > 0 else []
@@ -215,7 +219,7 @@ class Scheduler:
             props.append(g)
         if not any(props):
             return 0
-        take = d.choose(props, tracks, len(decoding), room, self.runner.step_cost)
+        take = d.choose(props, tracks, len(decoding), room, cost)
         total, ps = 0, self.page_size
         for seq, g, k in zip(decoding, props, take):
             g, n = g[:k], seq.total_len

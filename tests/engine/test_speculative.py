@@ -28,8 +28,9 @@ def engine(tmp_path_factory):
     eng = make_engine(path, warmup=True, speculative="ngram", num_speculative_tokens=K)
     runner = _sched(eng).runner
     # warmup measured the step programs (the planner's cost table), monotone in the token bucket
-    ms = [runner.step_ms[(T, spec)] for T in runner.token_buckets for spec in (False, True)]
-    assert len(ms) == 2 * len(runner.token_buckets) and ms == sorted(ms)
+    for greedy in (True, False):
+        ms = [runner.step_ms[(T, spec, greedy)] for T in runner.token_buckets for spec in (False, True)]
+        assert len(ms) == 2 * len(runner.token_buckets) and ms == sorted(ms)
     runner.step_ms = {}     # every width costs the same here: the planner verifies every guess
     yield eng
     eng.shutdown(timeout=5.0)
