@@ -844,6 +844,70 @@ ffi::Error BlasGemmImpl(ffi::Buffer<ffi::F32> x, Stacked w, ffi::Buffer<ffi::S32
 // contiguous, and 4 query rows share every key and value load. D must be a multiple of 16 (the
 // Python side keeps XLA's path otherwise).
 using Rank3 = ffi::Buffer<ffi::F32, 3>;
+using Rank2 = ffi::Buffer<ffi::F32, 2>;
+
+// One (sequence, head) of an encoder's self-attention: the n tokens keys[0..n) of one sequence
+// (indices into rows of `base`, `row` floats apart, q at +0, k at +HD, v at +2 HD, already offset
+// to this head) attend to each other; out rows (`ldo` floats apart, offset to this head) of those
+// tokens get the result.
+void encoder_attend(const float* base, int64_t row, const int64_t* keys, int64_t n, int64_t D, int64_t HD,
+                    float scale, float* ob, int64_t ldo) {
+  if (n == 0) return;
+  const int64_t np = (n + 15) / 16 * 16;
+  const v16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  std::vector<float> kt(D * np, 0.f), vv(n * D), sc(4 * np);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = base + keys[j] * row + HD;
+    for (int64_t d = 0; d < D; ++d) kt[d * np + j] = kr[d];
+    std::memcpy(vv.data() + j * D, kr + HD, D * sizeof(float));
+  }
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t nr = std::min<int64_t>(4, n - i0);
+    const float* qr[4];
+    float* orow[4];
+    for (int64_t r = 0; r < 4; ++r) {
+      const int64_t qi = keys[i0 + std::min(r, nr - 1)];      // short blocks repeat their last row
+      qr[r] = base + qi * row;
+      orow[r] = ob + qi * ldo;
+    }
+    for (int64_t jb = 0; jb < np; jb += 16) {                  // scores: 16 keys per vector
+      v16 acc[4] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const v16 kv = load16(kt.data() + d * np + jb);
+        for (int r = 0; r < 4; ++r) acc[r] += kv * qr[r][d];
+      }
+      const v16i live = lanes < static_cast<float>(n - jb);   // keys past n: -1e30, exp 0 below
+      for (int r = 0; r < 4; ++r) store16(sc.data() + r * np + jb, live ? acc[r] * scale : v16{} - 1e30f);
+    }
+    float inv[4];
+    for (int r = 0; r < 4; ++r) {                              // softmax over the n valid keys, 16 at a time
+      float* sr = sc.data() + r * np;
+      v16 mx = load16(sr);
+      for (int64_t jb = 16; jb < np; jb += 16) { const v16 x = load16(sr + jb); mx = x > mx ? x : mx; }
+      const float m = hmax(mx);
+      v16 sum = v16{};
+      for (int64_t jb = 0; jb < np; jb += 16) {
+        const v16 e = (lanes < static_cast<float>(n - jb)) ? vexp(load16(sr + jb) - m) : v16{};
+        store16(sr + jb, e);
+        sum += e;
+      }
+      inv[r] = 1.f / hsum(sum);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {                   // out = p @ v, 4 rows x 64 columns
+      const int nv = static_cast<int>(std::min<int64_t>(4, (D - d0) / 16));
+      v16 acc[4][4] = {};
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = vv.data() + j * D + d0;
+        for (int v = 0; v < nv; ++v) {
+          const v16 x = load16(vr + 16 * v);
+          for (int r = 0; r < 4; ++r) acc[r][v] += x * sc[r * np + j];
+        }
+      }
+      for (int64_t r = 0; r < nr; ++r)
+        for (int v = 0; v < nv; ++v) store16(orow[r] + d0 + 16 * v, acc[r][v] * inv[r]);
+    }
+  }
+}
 
 ffi::Error EncoderAttentionImpl(ffi::ThreadPool pool, Rank3 qkv, I32x2 mask, int64_t heads, float scale,
                                 ffi::ResultBuffer<ffi::F32, 3> out) {
@@ -861,70 +925,50 @@ ffi::Error EncoderAttentionImpl(ffi::ThreadPool pool, Rank3 qkv, I32x2 mask, int
   parallel_for(pool, B * H, 1, [=](int64_t item) {
     const int64_t b = item / H, h = item % H;
     const int32_t* mb = mp + b * S;
-    const float* base = qp + b * S * row + h * D;
     float* ob = op + b * S * HD + h * D;
     std::vector<int64_t> keys;
     keys.reserve(S);
     for (int64_t j = 0; j < S; ++j)
       if (mb[j] > 0) keys.push_back(j);
       else std::fill(ob + j * HD, ob + j * HD + D, 0.f);
-    const int64_t n = static_cast<int64_t>(keys.size());
-    if (n == 0) return;
-    const int64_t np = (n + 15) / 16 * 16;
-    const v16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    std::vector<float> kt(D * np, 0.f), vv(n * D), sc(4 * np);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kr = base + keys[j] * row + HD;
-      for (int64_t d = 0; d < D; ++d) kt[d * np + j] = kr[d];
-      std::memcpy(vv.data() + j * D, kr + HD, D * sizeof(float));
-    }
-    for (int64_t i0 = 0; i0 < n; i0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, n - i0);
-      const float* qr[4];
-      float* orow[4];
-      for (int64_t r = 0; r < 4; ++r) {
-        const int64_t qi = keys[i0 + std::min(r, nr - 1)];      // short blocks repeat their last row
-        qr[r] = base + qi * row;
-        orow[r] = ob + qi * HD;
-      }
-      for (int64_t jb = 0; jb < np; jb += 16) {                  // scores: 16 keys per vector
-        v16 acc[4] = {};
-        for (int64_t d = 0; d < D; ++d) {
-          const v16 kv = load16(kt.data() + d * np + jb);
-          for (int r = 0; r < 4; ++r) acc[r] += kv * qr[r][d];
-        }
-        const v16i live = lanes < static_cast<float>(n - jb);   // keys past n: -1e30, exp 0 below
-        for (int r = 0; r < 4; ++r) store16(sc.data() + r * np + jb, live ? acc[r] * scale : v16{} - 1e30f);
-      }
-      float inv[4];
-      for (int r = 0; r < 4; ++r) {                              // softmax over the n valid keys, 16 at a time
-        float* sr = sc.data() + r * np;
-        v16 mx = load16(sr);
-        for (int64_t jb = 16; jb < np; jb += 16) { const v16 x = load16(sr + jb); mx = x > mx ? x : mx; }
-        const float m = hmax(mx);
-        v16 sum = v16{};
-        for (int64_t jb = 0; jb < np; jb += 16) {
-          const v16 e = (lanes < static_cast<float>(n - jb)) ? vexp(load16(sr + jb) - m) : v16{};
-          store16(sr + jb, e);
-          sum += e;
-        }
-        inv[r] = 1.f / hsum(sum);
-      }
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {                   // out = p @ v, 4 rows x 64 columns
-        const int nv = static_cast<int>(std::min<int64_t>(4, (D - d0) / 16));
-        v16 acc[4][4] = {};
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = vv.data() + j * D + d0;
-          for (int v = 0; v < nv; ++v) {
-            const v16 x = load16(vr + 16 * v);
-            for (int r = 0; r < 4; ++r) acc[r][v] += x * sc[r * np + j];
-          }
-        }
-        for (int64_t r = 0; r < nr; ++r)
-          for (int v = 0; v < nv; ++v) store16(orow[r] + d0 + 16 * v, acc[r][v] * inv[r]);
-      }
-    }
+    encoder_attend(qp + b * S * row + h * D, row, keys.data(), static_cast<int64_t>(keys.size()), D, HD, scale, ob, HD);
   }, small);
+  return ffi::Error::Success();
+}
+
+// 5. XlaserveEncoderAttentionVarlenF32: the same attention over packed sequences (TEI's layout):
+// qkv [T, 3 H D] holds the sequences back to back, sequence s at tokens [starts[s], starts[s] +
+// lens[s]) (lens 0: an unused slot); out [T, H D], zeros at tokens no sequence covers. Why: a
+// padded batch computes every padding token through every matrix; packed, a program's tokens are
+// the real ones up to its token bucket.
+ffi::Error EncoderAttentionVarlenImpl(ffi::ThreadPool pool, Rank2 qkv, I32x1 starts, I32x1 lens, int64_t heads,
+                                      float scale, ffi::ResultBuffer<ffi::F32, 2> out) {
+  const auto qd = qkv.dimensions();
+  const int64_t T = qd[0], H = heads, S = starts.dimensions()[0];
+  if (H <= 0 || qd[1] % (3 * H) != 0 || (qd[1] / (3 * H)) % 16 != 0 || lens.dimensions()[0] != S ||
+      out->dimensions()[0] != T || out->dimensions()[1] != qd[1] / 3)
+    return ffi::Error::InvalidArgument("xlaserve_encoder_attention_varlen: operand shapes do not agree");
+  const int64_t D = qd[1] / (3 * H), HD = H * D, row = 3 * HD;
+  const int32_t* st = starts.typed_data();
+  const int32_t* ln = lens.typed_data();
+  int64_t covered = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (ln[s] < 0 || st[s] < 0 || int64_t{st[s]} + ln[s] > T)
+      return ffi::Error::InvalidArgument("xlaserve_encoder_attention_varlen: a sequence lies outside the tokens");
+    covered = std::max<int64_t>(covered, int64_t{st[s]} + ln[s]);
+  }
+  const float* qp = qkv.typed_data();
+  float* op = out->typed_data();
+  std::fill(op + covered * HD, op + T * HD, 0.f);
+  int64_t work = 0;
+  for (int64_t s = 0; s < S; ++s) work += int64_t{ln[s]} * ln[s];
+  parallel_for(pool, S * H, 1, [=](int64_t item) {
+    const int64_t s = item / H, h = item % H, n = ln[s];
+    if (n == 0) return;
+    std::vector<int64_t> keys(n);
+    for (int64_t j = 0; j < n; ++j) keys[j] = st[s] + j;
+    encoder_attend(qp + h * D, row, keys.data(), n, D, HD, scale, op + h * D, HD);
+  }, work * H * D < (int64_t{1} << 18));
   return ffi::Error::Success();
 }
 
@@ -961,6 +1005,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveEncoderAttentionF32, EncoderAttentionImpl,
                                   .Attr<int64_t>("heads")
                                   .Attr<float>("scale")
                                   .Ret<Rank3>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveEncoderAttentionVarlenF32, EncoderAttentionVarlenImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rank2>()
+                                  .Arg<I32x1>()
+                                  .Arg<I32x1>()
+                                  .Attr<int64_t>("heads")
+                                  .Attr<float>("scale")
+                                  .Ret<Rank2>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8, GemmI8Impl,
                               ffi::Ffi::Bind()

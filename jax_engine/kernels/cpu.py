@@ -41,6 +41,7 @@ BF16_TARGET = "xlaserve_cpu_gemm_bf16"
 I8_BF16_TARGET = "xlaserve_cpu_gemm_i8_bf16"
 ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
 ENC_ATTN_TARGET = "xlaserve_cpu_encoder_attention_f32"
+ENC_ATTN_VARLEN_TARGET = "xlaserve_cpu_encoder_attention_varlen_f32"
 BLAS_TARGET = "xlaserve_cpu_blas_gemm_f32"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 _lock = threading.Lock()
@@ -135,6 +136,8 @@ def available() -> bool:
             jax.ffi.register_ffi_target(I8_BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8BF16), platform="cpu")
             jax.ffi.register_ffi_target(ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveDecodeAttentionF32), platform="cpu")
             jax.ffi.register_ffi_target(ENC_ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveEncoderAttentionF32),
+                                        platform="cpu")
+            jax.ffi.register_ffi_target(ENC_ATTN_VARLEN_TARGET, jax.ffi.pycapsule(lib.XlaserveEncoderAttentionVarlenF32),
                                         platform="cpu")
             jax.ffi.register_ffi_target(BLAS_TARGET, jax.ffi.pycapsule(lib.XlaserveBlasGemmF32), platform="cpu")
             _state.update(ok=True, reason="", lib=lib)
@@ -332,6 +335,17 @@ def encoder_attention(qkv: jax.Array, mask: jax.Array, heads: int, scale: float)
     b, s, w = qkv.shape
     return jax.ffi.ffi_call(ENC_ATTN_TARGET, jax.ShapeDtypeStruct((b, s, w // 3), jnp.float32))(
         qkv.astype(jnp.float32), jnp.asarray(mask, jnp.int32), heads=int(heads), scale=np.float32(scale))
+
+
+def encoder_attention_varlen(qkv: jax.Array, starts: jax.Array, lens: jax.Array, heads: int, scale: float) -> jax.Array:
+    """`encoder_attention` over packed sequences: qkv [T, 3 H D] holds them back to back, sequence
+    s at tokens [starts[s], starts[s] + lens[s]) (lens 0: an unused slot). Returns [T, H D]
+    float32, zeros at tokens no sequence covers."""
+    _require()
+    t, w = qkv.shape
+    return jax.ffi.ffi_call(ENC_ATTN_VARLEN_TARGET, jax.ShapeDtypeStruct((t, w // 3), jnp.float32))(
+        qkv.astype(jnp.float32), jnp.asarray(starts, jnp.int32), jnp.asarray(lens, jnp.int32), heads=int(heads),
+        scale=np.float32(scale))
 
 
 def encoder_attention_fits(head_dim: int) -> bool:

@@ -382,8 +382,9 @@ class Embeddings(nnx.Module):
         self.word_embeddings, self.position_embeddings = Embed(word), Embed(position)
         self.token_type_embeddings, self.LayerNorm = Embed(token_type), ln
 
-    def __call__(self, c: "EncoderConfig", input_ids: jax.Array, token_type_ids: jax.Array) -> jax.Array:
-        x = (self.word_embeddings.weight[...][input_ids] + self.position_embeddings.weight[...][_position_ids(c, input_ids)]
+    def __call__(self, c: "EncoderConfig", input_ids: jax.Array, token_type_ids: jax.Array,
+                 position_ids: jax.Array) -> jax.Array:
+        x = (self.word_embeddings.weight[...][input_ids] + self.position_embeddings.weight[...][position_ids]
              + self.token_type_embeddings.weight[...][token_type_ids])
         return self.LayerNorm(x, c.layer_norm_eps)
 
@@ -414,20 +415,14 @@ class Layer(nnx.Module):
     def __init__(self, attention: Attention, intermediate: Intermediate, output: Output):
         self.attention, self.intermediate, self.output = attention, intermediate, output
 
-    def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array, mask: jax.Array,
-                 li: jax.Array) -> jax.Array:
-        """One post-LN block (this layer's slice). x: [B, S, H] float32 residual stream; weights in
-        the model dtype; attention on the path the plan names for the program's B x S tokens."""
+    def __call__(self, c: "EncoderConfig", x: jax.Array, attend: Attend, li: jax.Array) -> jax.Array:
+        """One post-LN block (this layer's slice). x: [B, S, H] float32 residual stream (B = 1 for
+        packed sequences); weights in the model dtype; `attend` maps the fused projection
+        [B, S, 3 H D] to the attention's context [B, S, H D]."""
         at = self.attention
         dt = at.qkv.bias[...].dtype
-        b, s, h = x.shape
         qkv = at.qkv(c, x.astype(dt), li)
-        plan = c.matmul_plan
-        if plan is not None and ATTENTION in dict(plan.routes) and plan.path(ATTENTION, b * s) == "kernel":
-            ctx = cpu_kernels.encoder_attention(qkv, mask, c.num_heads, 1.0 / np.sqrt(c.head_dim)).astype(dt)
-        else:
-            ctx = xla_attention(qkv, mask_bias, c.num_heads)
-        attn = at.output.dense(c, ctx, li)
+        attn = at.output.dense(c, attend(qkv).astype(dt), li)
         x = at.output.LayerNorm(x + attn.astype(jnp.float32), c.layer_norm_eps)
         inner = _ACTIVATIONS[c.hidden_act](self.intermediate.dense(c, x.astype(dt), li))
         out = self.output.dense(c, inner, li)
@@ -438,11 +433,11 @@ class Encoder(nnx.Module):
     def __init__(self, layer: Layer):
         self.layer = layer
 
-    def __call__(self, c: "EncoderConfig", x: jax.Array, mask_bias: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, c: "EncoderConfig", x: jax.Array, attend: Attend) -> jax.Array:
         # packed panels pass whole (the kernel takes the layer index), so the scan does not slice them
         def body(carry: tuple[jax.Array, jax.Array], layer: "Layer", _) -> tuple[jax.Array, jax.Array]:
             x, li = carry
-            return layer(c, x, mask_bias, mask, li), li + 1
+            return layer(c, x, attend, li), li + 1
 
         return stacked.scan(self.layer, lambda path: path.split(".")[-1] == "panels", c.num_layers, body,
                             (x, jnp.int32(0)))[0]
@@ -455,9 +450,10 @@ class Classifier(nnx.Module):
     def __init__(self, dense: Dense, out_proj: Dense):
         self.dense, self.out_proj = dense, out_proj
 
-    def __call__(self, c: "EncoderConfig", hidden: jax.Array) -> jax.Array:
+    def __call__(self, c: "EncoderConfig", first: jax.Array) -> jax.Array:
+        """Logits [B, num_labels] from each input's first token's hidden state [B, H]."""
         dt = self.dense.weight[...].dtype
-        x = jnp.tanh(self.dense(c, hidden[:, 0].astype(dt)))
+        x = jnp.tanh(self.dense(c, first.astype(dt)))
         return self.out_proj(c, x).astype(jnp.float32)
 
 
@@ -473,9 +469,28 @@ class EncoderModel(nnx.Module):
     def encode(self, c: "EncoderConfig", input_ids: jax.Array, token_type_ids: jax.Array,
                attention_mask: jax.Array) -> jax.Array:
         """Last hidden state [B, S, H] float32. Inputs are [B, S] int32, right padded."""
-        x = self.embeddings(c, input_ids, token_type_ids)
-        # Finite large negative (not -inf) so an all-padding row of a bucket stays NaN-free.
-        return self.encoder(c, x, attention_bias(attention_mask), attention_mask)
+        x = self.embeddings(c, input_ids, token_type_ids, _position_ids(c, input_ids))
+        bias = attention_bias(attention_mask)
+        b, s = input_ids.shape
+        plan = c.matmul_plan
+        if plan is not None and ATTENTION in dict(plan.routes) and plan.path(ATTENTION, b * s) == "kernel":
+            def attend(qkv: jax.Array) -> jax.Array:
+                return cpu_kernels.encoder_attention(qkv, attention_mask, c.num_heads, 1.0 / np.sqrt(c.head_dim))
+        else:
+            def attend(qkv: jax.Array) -> jax.Array:
+                return xla_attention(qkv, bias, c.num_heads)
+        return self.encoder(c, x, attend)
+
+    def encode_packed(self, c: "EncoderConfig", p: "Packed") -> jax.Array:
+        """Last hidden state [T, H] float32 of inputs packed back to back (`Packed`); rows of
+        tokens no input covers are padding nothing reads. Attention: the CPU kernel's varlen
+        entry (each input attends within itself)."""
+        x = self.embeddings(c, p.ids[None], p.types[None], p.positions[None])
+
+        def attend(qkv: jax.Array) -> jax.Array:
+            return cpu_kernels.encoder_attention_varlen(qkv[0], p.starts, p.lens, c.num_heads,
+                                                        1.0 / np.sqrt(c.head_dim))[None]
+        return self.encoder(c, x, attend)[0]
 
 
 def attention_bias(attention_mask: jax.Array) -> jax.Array:
@@ -496,6 +511,7 @@ def xla_attention(qkv: jax.Array, mask_bias: jax.Array, heads: int) -> jax.Array
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(qkv.dtype), v).reshape(b, s, heads * d)
 
 
+Attend = Callable[[jax.Array], jax.Array]     # fused projection [B, S, 3 H D] -> context [B, S, H D]
 MATRICES = ("qkv_w", "attn_out_w", "ffn_in_w", "ffn_out_w")
 ATTENTION = "attention"      # the self-attention's route in the plan (XLA's path or cpu.encoder_attention)
 
@@ -541,8 +557,48 @@ def forward(model: "EncoderModel", c: EncoderConfig, input_ids: jax.Array, token
     """What a served encoder returns: pooled vectors [B, H] or classifier logits [B, num_labels]."""
     hidden = model.encode(c, input_ids, token_type_ids, attention_mask)
     if c.task == "classify":
-        return model.classifier(c, hidden)
+        return model.classifier(c, hidden[:, 0])
     return pool(c, hidden, attention_mask)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Packed:
+    """Inputs packed back to back (TEI's layout), one program's worth: T tokens (a token
+    bucket), room for S inputs. Input s is tokens [starts[s], starts[s] + lens[s]); unused slots
+    have lens 0; tokens past the last input are padding."""
+
+    ids: jax.Array          # [T] int32
+    types: jax.Array        # [T] int32
+    positions: jax.Array    # [T] int32 position ids (`packed_positions`)
+    segments: jax.Array     # [T] int32 the input each token belongs to (S: padding)
+    starts: jax.Array       # [S] int32
+    lens: jax.Array         # [S] int32
+
+
+def packed_positions(c: EncoderConfig, ids: np.ndarray) -> np.ndarray:
+    """Position ids of one input as `_position_ids` gives them in a padded row (RoBERTa counts
+    real tokens from padding_idx + 1)."""
+    if c.family == "roberta":
+        real = (ids != c.pad_token_id).astype(np.int32)
+        return (np.cumsum(real) * real + c.pad_token_id).astype(np.int32)
+    return np.arange(ids.size, dtype=np.int32)
+
+
+def forward_packed(model: "EncoderModel", c: EncoderConfig, p: Packed) -> jax.Array:
+    """`forward` for packed inputs: [S, H] pooled vectors or [S, num_labels] logits (rows of
+    unused slots are meaningless)."""
+    hidden = model.encode_packed(c, p)
+    first = hidden[p.starts]
+    if c.task == "classify":
+        return model.classifier(c, first)
+    if c.pooling == "cls":
+        return first
+    if c.pooling == "mean":
+        n = p.starts.shape[0]
+        sums = jax.ops.segment_sum(hidden, p.segments, num_segments=n + 1)[:n]       # padding: segment n
+        return sums / jnp.maximum(p.lens, 1).astype(jnp.float32)[:, None]
+    return hidden[jnp.maximum(p.starts + p.lens - 1, 0)]
 
 
 def pool(c: EncoderConfig, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:

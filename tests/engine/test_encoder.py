@@ -20,7 +20,7 @@ import pytest
 
 from jax_engine.checkpoint.hf import CheckpointError
 from jax_engine.config import EngineArgs, ModelSpec
-from jax_engine.encode.worker import EmbedWorker, plan_groups
+from jax_engine.encode.worker import EmbedWorker, pack_groups, plan_groups
 from jax_engine.errors import AlreadyExists, InvalidRequest, NotFound, Overloaded, Unavailable
 from jax_engine.executor.compilation import global_compile_count
 from jax_engine.models import bert
@@ -157,9 +157,14 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
     qkv = w.model().encoder.layer.attention.qkv
     assert w.cfg.matmul_plan.mode == "kernel" and qkv.panels is not None
     assert qkv.weight is None                                      # kernel only: XLA's layout dropped
+    assert w.packed and len(w.token_buckets) == 8                  # the attention kernel everywhere: packed inputs
     w.warmup(progress=False)
+    assert len(w.programs) == len(w.token_buckets)
     w.start()
     try:
+        mixed = list(range(len(sentences)))[::-1]                     # 3-256 tokens, several programs
+        out = run(w, EmbedRequest("km", texts=[sentences[k] for k in mixed]))
+        assert float(np.abs(out.embeddings - st_reference[mixed]).max()) < 1e-4
         out = run(w, EmbedRequest("k", texts=sentences[:24]))
         cos = cosine_rows(out.embeddings, st_reference[:24])
         assert cos.min() >= 0.9999 and float(np.abs(out.embeddings - st_reference[:24]).max()) < 1e-4
@@ -324,7 +329,11 @@ def test_mixed_lengths_grouped_match_sentence_transformers(minilm_worker, senten
         tokens += n
     steps.append(cur)
     padded = minilm_worker.padded_tokens - before_padded
-    assert padded == sum(b.padded_tokens(plan_groups(st, b)) for st in steps)
+    if minilm_worker.packed:       # packed back to back: each step's programs are token buckets
+        assert padded == sum(t for st in steps for t, _ in pack_groups(st, minilm_worker.token_buckets))
+        assert padded < sum(b.padded_tokens(plan_groups(st, b)) for st in steps)
+    else:
+        assert padded == sum(b.padded_tokens(plan_groups(st, b)) for st in steps)
     assert padded < sum(one_bucket_padded(st, b) for st in steps)
     assert minilm_worker.compilations_after_warmup == 0 and global_compile_count() == before_compiles
 
