@@ -1,4 +1,5 @@
-"""CPU kernels (cpu.cc) behind XLA FFI custom calls: the decode matmul and decode attention.
+"""CPU kernels (cpu.cc) behind XLA FFI custom calls: the layer matmuls, the decoder's ragged
+attention and the encoders' attention (padded batches and packed sequences).
 
 Matmul, why: XLA:CPU's dot repacks the weight panel on every call and reached only 10-20 GB/s at the
 decode shapes (M = 1..64 rows against megabytes of weights). The kernel reads weights that were

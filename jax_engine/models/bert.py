@@ -14,6 +14,11 @@ programs) short.
 Layout choices, all for speed: weights are stored [in, out] so `x @ w` needs no transpose, and
 query/key/value are fused into one [hidden, 3*hidden] matmul. LayerNorm, softmax and pooling
 run in float32 whatever the weight dtype, as HF does under autocast.
+
+Two input layouts: padded [B, S] batches (`forward`; attention by XLA or, where the plan says,
+the CPU kernel) and, where the CPU attention kernel serves every program size, inputs packed
+back to back (`forward_packed`, `Packed`: TEI's layout; each input attends within its own tokens
+through the kernel's varlen entry, so no padding row runs through the matrices).
 """
 from __future__ import annotations
 

@@ -236,6 +236,26 @@ def test_encoder_attention_matches_numpy(B, S, H, D):
     assert K.encoder_attention_fits(D) and not K.encoder_attention_fits(24)
 
 
+def test_encoder_attention_varlen_matches_padded():
+    """Packed sequences (the varlen entry): each sequence attends within its own tokens, exactly
+    as the same sequence alone in a padded batch; unused slots (lens 0) are skipped, tokens no
+    sequence covers are zeros; a sequence outside the tokens is refused."""
+    H, D, T = 3, 32, 48
+    rng = np.random.default_rng(7)
+    qkv = rng.standard_normal((T, 3 * H * D)).astype(np.float32)
+    lens = np.array([5, 1, 17, 0, 9], np.int32)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+    f = jax.jit(lambda a, s, n: K.encoder_attention_varlen(a, s, n, H, D ** -0.5))
+    got = np.asarray(f(qkv, starts, lens))
+    for s0, n in zip(starts, lens):
+        if n:
+            one = _encoder_attention_reference(qkv[None, s0:s0 + n], np.ones((1, n), np.int32), H)[0]
+            np.testing.assert_allclose(got[s0:s0 + n], one, rtol=2e-5, atol=2e-6)
+    assert not got[int(lens.sum()):].any()
+    with pytest.raises(Exception, match="outside the tokens"):
+        jax.block_until_ready(f(qkv, np.array([40], np.int32), np.array([9], np.int32)))
+
+
 def test_reference_attention_is_per_token_softmax():
     """The reference itself against numpy: each token attends its row's keys at positions below its
     position + 1 (inside the window), read through the page table."""
