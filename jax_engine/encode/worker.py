@@ -336,6 +336,9 @@ class EmbedWorker:
                 fut.result()
                 bar.update(1)
         self.programs.warm = True
+        log.info("%s: %d encoder programs compiled (%s)", self.spec.name, len(keys),
+                 f"inputs packed back to back, token buckets {self.token_buckets}" if self.packed
+                 else f"padded (batch, seq_len) buckets, seq_len {self.buckets.seq_lens}")
         self.info.ready = True
 
     @property
