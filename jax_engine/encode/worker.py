@@ -264,9 +264,7 @@ class EmbedWorker:
         self.graphdef, self.params = nnx.split(bert.pack_for_kernel(model, self.cfg))
         self.programs = ProgramCache(f"embed:{spec.name}")
         self.programs.register("forward", jax.jit(self._forward))
-        plan = self.cfg.matmul_plan
-        # packed inputs need the varlen attention kernel at every program size
-        self.packed = plan is not None and all(p == "kernel" for _, p in dict(plan.routes).get(bert.ATTENTION, [(0, "")]))
+        self.packed = bert.attention_on_kernel(self.cfg)       # the varlen attention kernel at every size
         self.token_buckets = packed_buckets(max(self.buckets.max_program_tokens, self.max_len)) if self.packed else []
         self.programs.register("forward_packed", jax.jit(self._forward_packed))
         self.matryoshka_dims = _matryoshka_dimensions(spec.path, self.cfg) if self.cfg.task == "embed" else []

@@ -475,13 +475,12 @@ class EncoderModel(nnx.Module):
                attention_mask: jax.Array) -> jax.Array:
         """Last hidden state [B, S, H] float32. Inputs are [B, S] int32, right padded."""
         x = self.embeddings(c, input_ids, token_type_ids, _position_ids(c, input_ids))
-        bias = attention_bias(attention_mask)
-        b, s = input_ids.shape
-        plan = c.matmul_plan
-        if plan is not None and ATTENTION in dict(plan.routes) and plan.path(ATTENTION, b * s) == "kernel":
+        if attention_on_kernel(c, input_ids.size):
             def attend(qkv: jax.Array) -> jax.Array:
                 return cpu_kernels.encoder_attention(qkv, attention_mask, c.num_heads, 1.0 / np.sqrt(c.head_dim))
         else:
+            bias = attention_bias(attention_mask)
+
             def attend(qkv: jax.Array) -> jax.Array:
                 return xla_attention(qkv, bias, c.num_heads)
         return self.encoder(c, x, attend)
@@ -525,6 +524,15 @@ def matrix_dims(c: EncoderConfig) -> dict[str, tuple[int, int]]:
     """(K, N) of each layer matrix, [in, out] as stored."""
     h, i = c.hidden_size, c.intermediate_size
     return {"qkv_w": (h, 3 * h), "attn_out_w": (h, h), "ffn_in_w": (h, i), "ffn_out_w": (i, h)}
+
+
+def attention_on_kernel(c: EncoderConfig, tokens: Optional[int] = None) -> bool:
+    """Whether the plan routes the self-attention to the CPU kernel for a program of `tokens`
+    tokens, or (None) for programs of every size, as the packed layout needs."""
+    plan = c.matmul_plan
+    if plan is None or ATTENTION not in dict(plan.routes):
+        return False
+    return plan.layouts(ATTENTION) == {"kernel"} if tokens is None else plan.path(ATTENTION, tokens) == "kernel"
 
 
 def attention_dims(c: EncoderConfig) -> Optional[tuple[int, int]]:

@@ -194,6 +194,7 @@ def test_minilm_mixed_plan_matches_sentence_transformers(minilm_path, sentences,
     assert all(plan.path(m, 64) == "kernel" and plan.path(m, 256) == "xla" for m in (*bert.MATRICES, bert.ATTENTION))
     qkv = w.model().encoder.layer.attention.qkv
     assert qkv.panels is not None and qkv.weight is not None         # both layouts
+    assert not w.packed                   # XLA's attention serves large programs: padded buckets
     w.warmup(progress=False)
     w.start()
     try:
