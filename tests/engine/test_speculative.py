@@ -200,6 +200,38 @@ def test_sampled_tokens_keep_their_distribution(engine):
     assert len(joint) == 27 and chi2 < 54.05, (chi2, counts, joint)   # p = 0.001 at 26 degrees of freedom
 
 
+def test_planner_costs_sampled_steps_with_the_sampled_table(engine):
+    """The planner prices a step by the program it will run: with a cost table where verifying
+    sampled steps is ruinous and greedy ones are free, a sampled request makes no guess and a
+    greedy one does (with one table for both, both would)."""
+    runner = _sched(engine).runner
+    table = {}
+    for T in runner.token_buckets:
+        table[(T, False, True)] = table[(T, True, True)] = table[(T, False, False)] = 1.0
+        table[(T, True, False)] = 1000.0
+    runner.step_ms = table
+    class Guess:                                    # always has guesses to offer
+        def propose(self, tokens, k):
+            return [5] * k
+
+        def finish(self, tokens=None):
+            pass
+
+    class Always:
+        def start(self, prompt):
+            return Guess()
+
+    try:
+        d = _use(engine, "ngram")
+        d.speculator = Always()
+        asyncio.run(run(engine, LOOPY[0], seed=3, temperature=0.7, max_new_tokens=30))
+        assert d.stats().proposed_tokens == 0
+        asyncio.run(run(engine, LOOPY[0], temperature=0.0, max_new_tokens=30))
+        assert d.stats().proposed_tokens > 0
+    finally:
+        runner.step_ms = {}
+
+
 def test_no_compiles_after_warmup_with_speculation(engine):
     _use(engine, "suffix")
     _run_all(engine, _requests())
