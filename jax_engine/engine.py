@@ -341,14 +341,18 @@ class Engine:
 
             loop.call_soon_threadsafe(_set)
 
-        # tokenization of a large batch should not block the event loop
-        submitting = loop.run_in_executor(None, worker.submit_embed, req, done)
-        try:
-            await asyncio.shield(submitting)  # raises InvalidRequest / Overloaded
-        except asyncio.CancelledError:  # the consumer left: abort once it is queued
-            submitting.add_done_callback(
-                lambda f: f.cancelled() or f.exception() is not None or worker.abort(req.request_id))
-            raise
+        if _embed_chars(req) > TOKENIZE_INLINE_CHARS:
+            # tokenization of a large batch should not block the event loop
+            submitting = loop.run_in_executor(None, worker.submit_embed, req, done)
+            try:
+                await asyncio.shield(submitting)  # raises InvalidRequest / Overloaded
+            except asyncio.CancelledError:  # the consumer left: abort once it is queued
+                submitting.add_done_callback(
+                    lambda f: f.cancelled() or f.exception() is not None or worker.abort(req.request_id))
+                raise
+        else:
+            # a few sentences tokenize in tens of microseconds: the executor's two thread hops cost more
+            worker.submit_embed(req, done)  # raises InvalidRequest / Overloaded
         self.counters.add("accepted")
         token = next(self._inflight_ids)
 
@@ -418,6 +422,17 @@ def _outcome(reasons: list[str], n: int) -> str:
     if len(reasons) < n or "abort" in reasons:
         return "cancelled"
     return "completed"
+
+
+def _embed_chars(req: EmbedRequest) -> int:
+    """An embed request's input size for the inline-tokenization rule: characters, a token id or
+    a malformed item (which the worker refuses) counting one."""
+    def size(x: object) -> int:
+        return len(x) if isinstance(x, (str, list, tuple)) else 1
+
+    items = [*(req.texts or ()), *(req.token_ids or ())]
+    items += [x for p in req.pairs or () for x in (p if isinstance(p, (list, tuple)) else (p,))]
+    return sum(size(x) for x in items)
 
 
 def _check_alive(worker, name: str) -> None:

@@ -64,7 +64,7 @@ from jax_engine import attention
 from jax_engine.decode import sampling
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.executor import backend
-from jax_engine.executor.compilation import ProgramCache
+from jax_engine.executor.compilation import FlatState, ProgramCache
 from jax_engine.lora import bank as lora_bank
 from jax_engine.models import decoder
 from jax_engine.models.llama import LlamaConfig, StepInputs
@@ -207,6 +207,7 @@ class ModelRunner:
         self.graphdef, self.params = decoder.split(model)
         if mesh is not None:
             self.params = jax.device_put(self.params, decoder.shardings(self.params, mesh))
+        self.flat = FlatState.of(self.params)      # what the programs take (FlatState: why)
         self.mirror: Optional[tuple[StepPublisher, str]] = None     # (channel, key) on process 0 of a slice
         self.dtype = dtype
         # every running row decodes in every step, so the budget is never below the row count
@@ -281,7 +282,7 @@ class ModelRunner:
         return min(T, self.rc.max_running * (1 + self.rc.spec_tokens)) if spec else self.rows_for(T)
 
     def _register(self) -> None:
-        cfg, ps, top_n, graphdef = self.cfg, self.rc.page_size, self.rc.top_n, self.graphdef
+        cfg, ps, top_n, graphdef, unflatten = self.cfg, self.rc.page_size, self.rc.top_n, self.graphdef, self.flat.unflatten
         # Step outputs are replicated over the mesh so any process can read them locally (multihost.py).
         rep = (lambda t: jax.lax.with_sharding_constraint(t, self._replicated)) if self.mesh is not None else (lambda t: t)
 
@@ -290,7 +291,7 @@ class ModelRunner:
             then per sample row: penalties, bias, bans, the grammar mask, the draw (or, with `spec`,
             the verification of each position's proposed token), logprobs and the penalty-count
             update of the emitted tokens; also the final hidden states."""
-            model = decoder.merge(graphdef, params)
+            model = decoder.merge(graphdef, unflatten(params))
             h, k, v = model(state["k"], state["v"], inp, ps, lora)
             raw = model.logits(h[sample_idx])                                # [S, V] float32
             counts = state["counts"][slot_ids]
@@ -315,7 +316,7 @@ class ModelRunner:
 
         def prompt_logprobs(params, h, next_tokens):
             """Logprob (and top-N) of next_tokens[t] after position t, from the chunk's hidden states."""
-            return rep(sampling.logprobs_of(decoder.merge(graphdef, params).logits(h), next_tokens, top_n))
+            return rep(sampling.logprobs_of(decoder.merge(graphdef, unflatten(params)).logits(h), next_tokens, top_n))
 
         def copy_page(state, src, dst):
             k, v = attention.get(cfg.attention_backend).copy_page(cfg, state["k"], state["v"], src, dst, ps)
@@ -449,7 +450,7 @@ class ModelRunner:
         if spec:
             key = key + ("spec",)
             spec_arrays = sampling.SpecArrays(*self._put(draft, group_start, prior))
-        return key, (self.params, self.state, inp, sample_idx, slot_ids, self._sa(samp, S),
+        return key, (self.flat.leaves, self.state, inp, sample_idx, slot_ids, self._sa(samp, S),
                      self._mask_arg(masks, S), lora, spec_arrays)
 
     @mirrored
@@ -480,7 +481,7 @@ class ModelRunner:
         h[:len(h_rows)] = h_rows[:Tb]
         nxt = np.zeros(Tb, np.int32)
         nxt[:len(next_tokens)] = next_tokens[:Tb]
-        return (self.params, *self._put(h, nxt))
+        return (self.flat.leaves, *self._put(h, nxt))
 
     @mirrored
     def copy_page(self, src: int, dst: int) -> None:

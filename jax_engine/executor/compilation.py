@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Optional
 
 import jax
+from jax.tree_util import PyTreeDef
 
 _lock = threading.Lock()
 _global_compiles = 0
@@ -50,6 +52,31 @@ def enable_persistent_cache(cache_dir: Optional[str]) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return cache_dir
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A module's state (parameters) as the compiled programs take it: its leaves as a plain
+    tuple, rebuilt into the state pytree inside the traced program (`unflatten`, free there).
+
+    Why: `nnx.State` and its Variables are pytrees flattened by Python callbacks, and a compiled
+    program's C++ call path flattens its arguments and checks their tree structure on every call.
+    Measured on a 2-vCPU Zen 5, medians: all-MiniLM-L6-v2's state (25 leaves) took 0.33 ms to
+    dispatch its 32-token program, the leaves 0.19 ms (the whole call, 400 interleaved calls:
+    4.38 -> 4.23 ms); the trained 3 M decoder's stacked state (9 leaves) 0.038 -> 0.010 ms a step.
+    """
+
+    leaves: tuple[jax.Array, ...]
+    treedef: PyTreeDef
+
+    @staticmethod
+    def of(state: Any) -> "FlatState":
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        return FlatState(tuple(leaves), treedef)
+
+    def unflatten(self, leaves: tuple[jax.Array, ...]) -> Any:
+        """The state pytree over `leaves` (the program's argument, or these leaves)."""
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
 class ProgramCache:

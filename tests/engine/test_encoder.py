@@ -157,7 +157,7 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
     qkv = w.model().encoder.layer.attention.qkv
     assert w.cfg.matmul_plan.mode == "kernel" and qkv.panels is not None
     assert qkv.weight is None                                      # kernel only: XLA's layout dropped
-    assert w.packed and len(w.token_buckets) == 8                  # the attention kernel everywhere: packed inputs
+    assert w.packed and len(w.token_buckets) == 12                 # the attention kernel everywhere: packed inputs
     w.warmup(progress=False)
     assert len(w.programs) == len(w.token_buckets)
     w.start()
@@ -379,6 +379,34 @@ def test_truncation(xlmr_worker):
         xlmr_worker.submit(EmbedRequest("t", texts=[long], truncate=False), lambda o: None)
     out = run(xlmr_worker, EmbedRequest("t", texts=[long, "fox"]))
     assert out.token_counts == [64, 3]
+
+
+def test_backend_tokenizer_matches_the_transformers_call(minilm_worker, bert_ce_workers):
+    """The worker tokenizes through its fast tokenizer's Rust backend (a private copy); its ids
+    and type ids are the transformers call's, for texts and pairs, truncating or not, whichever
+    setting the previous request left."""
+    w = minilm_worker
+    assert w._backend is not None
+    texts = ["hello world", "Ünïcödé  tëxt with\ttabs", "word " * 300, "中文 和 emoji 🤗"]
+    for truncate in (True, False, True):
+        if not truncate:   # untruncated: the long text keeps its 302 tokens, which the worker refuses
+            with pytest.raises(InvalidRequest, match="302 tokens"):
+                w._encode_texts("texts", texts, truncate)
+        use = texts if truncate else texts[:2] + texts[3:]
+        ids, types = w._encode_texts("texts", use, truncate)
+        ref = w.tokenizer(use, truncation="longest_first" if truncate else False,
+                          max_length=w.max_len if truncate else None, return_attention_mask=False)
+        assert [x.tolist() for x in ids] == ref["input_ids"]
+        assert [x.tolist() for x in types] == ref["token_type_ids"]
+    assert max(x.size for x in ids) == w.max_len
+    ce = bert_ce_workers[1]
+    pairs = [("query " * 40, "document " * 60), ("what", "that")]
+    ids, types = ce._encode_texts("pairs", pairs, True)
+    ref = ce.tokenizer([p[0] for p in pairs], [p[1] for p in pairs], truncation="longest_first",
+                       max_length=ce.max_len, return_attention_mask=False)
+    assert [x.tolist() for x in ids] == ref["input_ids"]
+    assert [x.tolist() for x in types] == ref["token_type_ids"]
+    assert ids[0].size == ce.max_len and set(types[0].tolist()) == {0, 1}
 
 
 def test_pairs_need_cross_encoder(xlmr_worker, bert_ce_workers):
