@@ -202,7 +202,7 @@ class ModelRunner:
         if model.cfg != cfg:
             raise ValueError("the model module was built for another config than the runner's")
         self.cfg, self.rc, self.mesh = cfg, rc, mesh
-        # split once: every program closes over the graph definition and takes the state pytree,
+        # split once: every program closes over the graph definition and takes the state's leaves,
         # placed as the parameters' sharding metadata says (a no-op when the loader placed it so)
         self.graphdef, self.params = decoder.split(model)
         if mesh is not None:

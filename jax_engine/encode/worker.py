@@ -269,7 +269,7 @@ class EmbedWorker:
             args.cpu_matmul, backend.platform(), backend.DTYPE_NAMES[dtype], 1, bert.matrix_dims(self.cfg),
             layers=self.cfg.num_layers, max_rows=self.buckets.max_program_tokens, attention=bert.attention_dims(self.cfg))
         self.num_params = bert.count_params(model)               # the checkpoint's, before any packed copy
-        # split once: the bucket programs close over the graph definition and take the state pytree
+        # split once: the bucket programs close over the graph definition and take the state's leaves
         self.graphdef, self.params = nnx.split(bert.pack_for_kernel(model, self.cfg))
         self.flat = FlatState.of(self.params)                  # what the programs take (FlatState: why)
         self.programs = ProgramCache(f"embed:{spec.name}")
