@@ -254,11 +254,13 @@ class EmbedWorker:
         # Fast tokenizers mutate their truncation state per call and fail ("Already borrowed")
         # when two threads call at once; submit runs on callers' threads, so serialize it.
         self._tok_lock = threading.Lock()
-        self._backend = _backend_tokenizer(self.tokenizer)
-        self._backend_trunc: Optional[bool] = None    # the backend copy's truncation setting
         # resolve(): a pinned length, else sentence-transformers' max_seq_length, else --max-model-len
         cap = spec.max_model_len
         self.max_len = min(self.cfg.max_len, cap) if cap else self.cfg.max_len
+        # two private copies of the fast tokenizer's backend, truncating at max_len and not: never
+        # mutated after this, so encoding through them takes no lock (a small request tokenized
+        # inline on the event loop never waits behind a large one on an executor thread)
+        self._backends = _backend_tokenizers(self.tokenizer, self.max_len)
         self.buckets = EncoderBuckets(
             self.max_len, args.embed_max_batch_tokens, max_program_tokens=_program_token_cap(),
             attn_tokens=2 * self.cfg.hidden_size + self.cfg.intermediate_size,
@@ -518,7 +520,7 @@ class EmbedWorker:
                 if not t:
                     raise InvalidRequest(f"texts[{i}] is empty")
             args = (list(inputs),)
-        if self._backend is not None:
+        if self._backends is not None:
             rows, type_rows = self._encode_backend(args, truncate)
         else:
             trunc: Union[bool, str] = "longest_first" if truncate else False
@@ -543,20 +545,13 @@ class EmbedWorker:
         return ids_out, types_out
 
     def _encode_backend(self, args: tuple, truncate: bool) -> tuple[list, list]:
-        """Token ids and type ids through the fast tokenizer's Rust backend (a private copy, with
-        truncation at max_len, longest first, or none): the same ids as the transformers call (the
-        call's own work is this encode_batch), without its per-call Python. Why: at batch 1, right
-        after a program (caches cold), the transformers call took 0.45 ms a sentence and this
-        0.27 ms (all-MiniLM-L6-v2, 2-vCPU Zen 5, medians of 200)."""
+        """Token ids and type ids through the fast tokenizer's Rust backend (the private copy with
+        truncation at max_len, longest first, or the one without): the same ids as the
+        transformers call (whose own work is this encode_batch), without its per-call Python.
+        Why: at batch 1, right after a program (caches cold), the transformers call took 0.45 ms a
+        sentence and this 0.27 ms (all-MiniLM-L6-v2, 2-vCPU Zen 5, medians of 200)."""
         batch = list(zip(*args)) if len(args) == 2 else args[0]
-        with self._tok_lock:
-            if self._backend_trunc is not truncate:
-                if truncate:
-                    self._backend.enable_truncation(self.max_len, strategy="longest_first")
-                else:
-                    self._backend.no_truncation()
-                self._backend_trunc = truncate
-            encs = self._backend.encode_batch(batch)
+        encs = self._backends[truncate].encode_batch(batch)
         return [e.ids for e in encs], [e.type_ids for e in encs]
 
     # --- worker thread ------------------------------------------------------------------------
@@ -701,15 +696,23 @@ def _call(done: DoneCallback, value: Optional[Union[EmbedOutput, EngineError]]) 
         log.exception("embed done-callback raised")
 
 
-def _backend_tokenizer(tok: object) -> Optional[Tokenizer]:
-    """A private copy of a fast tokenizer's backend (padding off), or None for a tokenizer
-    without one (a slow, Python tokenizer keeps the transformers call)."""
+def _backend_tokenizers(tok: object, max_len: int) -> Optional[dict[bool, Tokenizer]]:
+    """Private copies of a fast tokenizer's backend (padding off) by truncation: True truncates at
+    max_len, longest first; False does not. None for a tokenizer without a backend (a slow,
+    Python tokenizer keeps the transformers call)."""
     backend = getattr(tok, "_tokenizer", None)
     if not isinstance(backend, Tokenizer):
         return None
-    backend = Tokenizer.from_str(backend.to_str())
-    backend.no_padding()
-    return backend
+    out: dict[bool, Tokenizer] = {}
+    for truncate in (True, False):
+        copy = Tokenizer.from_str(backend.to_str())
+        copy.no_padding()
+        if truncate:
+            copy.enable_truncation(max_len, strategy="longest_first")
+        else:
+            copy.no_truncation()
+        out[truncate] = copy
+    return out
 
 
 def _int_array(seq: object, name: str) -> np.ndarray:

@@ -15,6 +15,8 @@ from typing import Optional
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -382,11 +384,11 @@ def test_truncation(xlmr_worker):
 
 
 def test_backend_tokenizer_matches_the_transformers_call(minilm_worker, bert_ce_workers):
-    """The worker tokenizes through its fast tokenizer's Rust backend (a private copy); its ids
-    and type ids are the transformers call's, for texts and pairs, truncating or not, whichever
-    setting the previous request left."""
+    """The worker tokenizes through its fast tokenizer's Rust backend (private copies, one
+    truncating and one not, taking no lock); its ids and type ids are the transformers call's,
+    for texts and pairs, truncating or not, in any order and from threads at once."""
     w = minilm_worker
-    assert w._backend is not None
+    assert w._backends is not None
     texts = ["hello world", "Ünïcödé  tëxt with\ttabs", "word " * 300, "中文 和 emoji 🤗"]
     for truncate in (True, False, True):
         if not truncate:   # untruncated: the long text keeps its 302 tokens, which the worker refuses
@@ -399,6 +401,19 @@ def test_backend_tokenizer_matches_the_transformers_call(minilm_worker, bert_ce_
         assert [x.tolist() for x in ids] == ref["input_ids"]
         assert [x.tolist() for x in types] == ref["token_type_ids"]
     assert max(x.size for x in ids) == w.max_len
+    # two threads alternating truncation, at once: the copies are never mutated, so no
+    # "Already borrowed" and every result is the serial one
+    long_ids = [x.tolist() for x in w._encode_texts("texts", texts, True)[0]]
+    short_ids = [x.tolist() for x in w._encode_texts("texts", texts[:2], False)[0]]
+
+    def hammer(k: int) -> bool:
+        return all([x.tolist() for x in w._encode_texts("texts", texts, True)[0]] == long_ids
+                   if (i + k) % 2 else
+                   [x.tolist() for x in w._encode_texts("texts", texts[:2], False)[0]] == short_ids
+                   for i in range(40))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(hammer, range(4)))
     ce = bert_ce_workers[1]
     pairs = [("query " * 40, "document " * 60), ("what", "that")]
     ids, types = ce._encode_texts("pairs", pairs, True)
