@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, TypeVar, Union
 
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import (
@@ -69,6 +69,9 @@ class Counters:
                 "errored": self.errored,
                 "cancelled": self.cancelled,
             }
+
+
+T = TypeVar("T")
 
 
 class Engine:
@@ -275,17 +278,9 @@ class Engine:
         grammar = None
         if req.params.constraint is not None:
             grammar = await self._compiled(worker, req.params.constraint)
-        if req.prompt is not None and len(req.prompt) > TOKENIZE_INLINE_CHARS:
-            # a long text takes a while to tokenize: keep the event loop serving meanwhile
-            submitting = loop.run_in_executor(None, worker.submit_generate, req, sink, grammar)
-            try:
-                handle = await asyncio.shield(submitting)  # raises InvalidRequest / Overloaded
-            except asyncio.CancelledError:  # the consumer left: abort once it is submitted
-                submitting.add_done_callback(
-                    lambda f: f.cancelled() or f.exception() is not None or worker.abort(f.result()))
-                raise
-        else:
-            handle = worker.submit_generate(req, sink, grammar)  # raises InvalidRequest / Overloaded
+        # raises InvalidRequest / Overloaded
+        handle = await _submit(req.prompt is None or len(req.prompt) <= TOKENIZE_INLINE_CHARS,
+                               lambda: worker.submit_generate(req, sink, grammar), worker.abort)
         self.counters.add("accepted")
         token = next(self._inflight_ids)
         self._inflight[token] = lambda message: queue.put_nowait(Unavailable(message))
@@ -341,18 +336,9 @@ class Engine:
 
             loop.call_soon_threadsafe(_set)
 
-        if _embed_chars(req) > TOKENIZE_INLINE_CHARS:
-            # tokenization of a large batch should not block the event loop
-            submitting = loop.run_in_executor(None, worker.submit_embed, req, done)
-            try:
-                await asyncio.shield(submitting)  # raises InvalidRequest / Overloaded
-            except asyncio.CancelledError:  # the consumer left: abort once it is queued
-                submitting.add_done_callback(
-                    lambda f: f.cancelled() or f.exception() is not None or worker.abort(req.request_id))
-                raise
-        else:
-            # a few sentences tokenize in tens of microseconds: the executor's two thread hops cost more
-            worker.submit_embed(req, done)  # raises InvalidRequest / Overloaded
+        # raises InvalidRequest / Overloaded
+        await _submit(_embed_chars(req) <= TOKENIZE_INLINE_CHARS, lambda: worker.submit_embed(req, done),
+                      lambda _: worker.abort(req.request_id))
         self.counters.add("accepted")
         token = next(self._inflight_ids)
 
@@ -422,6 +408,21 @@ def _outcome(reasons: list[str], n: int) -> str:
     if len(reasons) < n or "abort" in reasons:
         return "cancelled"
     return "completed"
+
+
+async def _submit(inline: bool, submit: Callable[[], T], abort: Callable[[T], object]) -> T:
+    """submit() (validate, tokenize, queue) on the event loop when `inline`, else on an executor
+    thread so a long text's tokenization does not stall the loop (a few sentences tokenize in tens
+    of microseconds, less than the executor's two thread hops). If the consumer leaves while it
+    runs there, abort(its result) once it is queued."""
+    if inline:
+        return submit()
+    submitting = asyncio.get_running_loop().run_in_executor(None, submit)
+    try:
+        return await asyncio.shield(submitting)
+    except asyncio.CancelledError:
+        submitting.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or abort(f.result()))
+        raise
 
 
 def _embed_chars(req: EmbedRequest) -> int:
