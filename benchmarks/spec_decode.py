@@ -8,7 +8,7 @@ weights would mean nothing. Its training window is 256 tokens, so prompt + answe
 Engines: three in-process `Engine`s over that folder, alive for the whole run, the server's CPU
 defaults otherwise (token budget 64, prefix cache on, programs compiled ahead of time):
   off     --speculative off
-  ngram   --speculative ngram  --num-speculative-tokens K (default 4)
+  ngram   --speculative ngram  --num-speculative-tokens K (default 8, the server default)
   suffix  --speculative suffix --num-speculative-tokens K
 max_running_requests 8, max_model_len 512.
 
@@ -23,7 +23,7 @@ prompt was trained on; every request greedy with EOS ignored unless said, `new_t
   sampled  new held-out prompts every round, temperature 0.8, top-p 0.95, seeds fixed per prompt:
            text with few exact repeats. Output distribution unchanged by speculation (tested in
            tests/engine/test_speculative.py), so only the speed is compared.
-Batch B = 1 (4 requests per timed pass, one after another) and 8 (24 requests, 8 at a time).
+Batch B = 1 (8 requests per timed pass, one after another) and 8 (24 requests, 8 at a time).
 
 Rounds: the three sides alternate with the first side rotating (common.run_pairs), 3 rounds
 (quick: 1), medians (clean rounds when there are any). tok/s = completion tokens of the timed
@@ -40,7 +40,7 @@ CPU, while the 500 MB 'small' model is bandwidth-bound at batch 1 (a 4-token ste
 warmup against 18 ms for 1 token on the reference machine). At batch 8 both are compute-bound on
 2 cores (the 'small' model: 31 ms for 8 tokens, 89 ms for 32).
 
-Run:  python -m benchmarks.spec_decode [--quick] [--k 4] [--rounds 3] [--batches 1,8] [--model small]
+Run:  python -m benchmarks.spec_decode [--quick] [--k 8] [--rounds 3] [--batches 1,8] [--model small]
 Writes benchmarks/results/spec_decode.json (+ _quick), spec_decode.png and spec_decode_accept.png.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ GOALS = {"repeat": 2.5, "copy": 1.5, "fresh": 0.97, "sampled": 0.97}
 PROMPT_BYTES = 96
 COPY_SPAN, COPY_CUE = 96, 24
 WAVES = 3           # batch B > 1: 3 B requests per timed pass, B at a time
-B1_REQUESTS = 4     # batch 1: requests per timed pass, one after another
+B1_REQUESTS = 8     # batch 1: requests per timed pass, one after another (4 gave ~0.5 s passes: too noisy)
 
 
 def held_out_spans(n: int, size: int) -> list[str]:
@@ -174,7 +174,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens of the speculating engines")
+    ap.add_argument("--k", type=int, default=8, help="--num-speculative-tokens of the speculating engines")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 3; quick 1)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=None, help="answer length (default 128; quick 48)")

@@ -77,7 +77,7 @@ class EngineArgs:
     max_lora_rank: int = 64                   # adapters of a higher rank are refused
     # speculative decoding without a draft model (jax_engine/spec, jax_engine/decode/speculate.py)
     speculative: str = "off"                  # off | ngram | suffix
-    num_speculative_tokens: int = 4           # most guesses per row and step (1..MAX_SPECULATIVE_TOKENS)
+    num_speculative_tokens: int = 8           # most guesses per row and step (1..MAX_SPECULATIVE_TOKENS)
 
 
 CPU_TOKEN_BUDGET = 64

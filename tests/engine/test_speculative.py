@@ -232,6 +232,28 @@ def test_planner_costs_sampled_steps_with_the_sampled_table(engine):
         runner.step_ms = {}
 
 
+def test_served_steps_keep_the_cost_table_current(engine):
+    """Each served step moves its own bucket's entry toward what it cost (runner._observe): with a
+    table that prices every step at 1e6 ms, the entries a request's steps used come down, the
+    others keep their value; with no table (time_steps did not run) nothing is added."""
+    runner = _sched(engine).runner
+    table = {(T, spec, greedy): 1e6 for T in runner.token_buckets for spec in (False, True)
+             for greedy in (False, True)}
+    runner.step_ms = dict(table)
+    try:
+        _use(engine, "off")
+        asyncio.run(run(engine, LOOPY[0], temperature=0.0, max_new_tokens=12))
+        used = {k for k, v in runner.step_ms.items() if v < 1e6}
+        assert (1, False, True) in used                        # the decode steps of one greedy row
+        assert all(runner.step_ms[k] == 1e6 for k in table if k[2] is False)   # no sampled step ran
+        assert runner.step_ms.keys() == table.keys()
+        runner.step_ms = {}
+        asyncio.run(run(engine, LOOPY[0], temperature=0.0, max_new_tokens=4))
+        assert runner.step_ms == {}
+    finally:
+        runner.step_ms = {}
+
+
 def test_no_compiles_after_warmup_with_speculation(engine):
     _use(engine, "suffix")
     _run_all(engine, _requests())

@@ -81,10 +81,10 @@ def test_cli_speculative_flags(tmp_path, monkeypatch):
     model = tmp_path / "m"
     model.mkdir()
     args = engine_args(parse_serve_args(["--model", f"g={model}"]))
-    assert (args.speculative, args.num_speculative_tokens) == ("off", 4)
+    assert (args.speculative, args.num_speculative_tokens) == ("off", 8)
     args = engine_args(parse_serve_args(["--model", f"g={model}", "--speculative", "suffix",
-                                         "--num-speculative-tokens", "8"]))
-    assert (args.speculative, args.num_speculative_tokens) == ("suffix", 8)
+                                         "--num-speculative-tokens", "3"]))
+    assert (args.speculative, args.num_speculative_tokens) == ("suffix", 3)
     monkeypatch.setenv("XLASERVE_SPECULATIVE", "ngram")
     assert engine_args(parse_serve_args(["--model", f"g={model}"])).speculative == "ngram"
 
