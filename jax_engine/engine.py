@@ -98,6 +98,12 @@ class Engine:
 
         install_compile_listener()
         self.compile_cache_dir = enable_persistent_cache(args.compile_cache_dir)
+        if args.cpu_matmul != "xla" and args.models:
+            from jax_engine.executor import backend
+            from jax_engine.kernels import cpu as cpu_kernels
+
+            if backend.platform() == "cpu":
+                cpu_kernels.build_in_background()
 
     # ---------------------------------------------------------------- lifecycle
     def load_all(self, progress: bool = True, warmup: bool = True) -> None:
