@@ -9,7 +9,7 @@ Layers timed (each the median and minimum of many calls, context ~ prompt + new/
   runner_decode           ModelRunner.step() over the B decode rows: host arrays -> device_put ->
                           program -> fetch
   runner_host_args        ModelRunner._step_args() alone (numpy rows, sampling arrays, device_put)
-  decode_program          the compiled step_greedy program alone (args prebuilt, state donated)
+  decode_program          the compiled step program alone (args prebuilt, state donated)
   bare_forward            jit(decoder module + logits + argmax) with the same StepInputs (no sampling)
   weights_gemv_chain      only the layer matmuls + lm_head on one token (reads every weight once),
                           each matrix on the path (CPU kernel or XLA) the decoder routes it to
@@ -135,9 +135,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     res["runner_decode"] = bench(lambda: runner.step(rows, True), iters)
     res["runner_host_args"] = bench(lambda: runner._step_args(rows), iters)
 
-    # a greedy decode step is one program, step_greedy (args: params, state, StepInputs, sample_idx,
+    # a decode step is one program, step (args: params, state, StepInputs, sample_idx,
     # slot ids, sampling; key: token bucket, page bucket)
-    prog = "step_greedy"
+    prog = "step"
     key, args = runner._step_args(rows)
     exe = runner.programs.get(prog, key, args)
     R = runner.rows_for(key[0])         # the program's rows (B real, the rest padding)

@@ -1,7 +1,7 @@
 """The decoder's compiled programs and device state; the single owner of static shapes.
 
 Programs (each compiled ahead of time per bucket at warmup, looked up through ProgramCache):
-  step_{greedy,sample}[T, P]  ONE ragged step: T query tokens (every running sequence's next
+  step[T, P]                  ONE ragged step: T query tokens (every running sequence's next
                               token and prefill chunks, flat) over R = min(T, max_running) rows
                               with P-page tables: writes their KV, attends, and draws the next
                               token for every sample row (a decode row, a chunk that ends a
@@ -9,7 +9,10 @@ Programs (each compiled ahead of time per bucket at warmup, looked up through Pr
                               bitmask [R, ceil(V / 32)] (structured generation; all ones for free
                               rows, so constraints compile nothing), logprobs and the
                               penalty-count update fused in; also returns the T final hidden
-                              states (prompt logprobs, embeddings)
+                              states (prompt logprobs, embeddings). Greedy and sampled steps
+                              share it: the draw is a lax.cond on "every sample row has
+                              temperature 0" (argmax, or the full sampler), so each bucket
+                              compiles one program, not two
   prompt_logprobs[T]          logprobs of the next prompt token at every position of a chunk
   copy_page                   copy-on-write of a partially filled page for n > 1 forks
   set_slot                    (re)initialise a row of the penalty state
@@ -33,11 +36,14 @@ only on servers started with LoRA.
 Why the draw is fused although it triples a step program's compile time (demo model, T = 16:
 0.3 s bare, 0.84 s greedy, 2.51 s sampling): as a program of its own after a bare step it cost
 a decode step 1.9 ms greedy ('small' model, 4 rows: 16.1 vs 14.2 ms) and 7.8 ms sampling (16
-rows, top-k 50 / top-p 0.9: 36.5 vs 28.7 ms).
+rows, top-k 50 / top-p 0.9: 36.5 vs 28.7 ms). Why one program with a lax.cond rather than a
+greedy and a sampling program per bucket: the trained 3 M model's 7 step buckets compiled in
+11.2 s instead of 5.7 + 12.8 s (2-core Zen 4, one at a time), so a cold start of the default
+models compiles 16 programs, not 25.
 P has one bucket (the model's whole span) unless the attention backend's cost grows with the
 page table's width (the reference's gather: `page_buckets`), so on CPU the demo generator (token
-budget 64, burst budget 256: token buckets 1 .. 64, 128, 256) compiles 2 x 9 step programs and 7
-more (25) instead of the split design's 164.
+budget 64, burst budget 256: token buckets 1 .. 64, 128, 256) compiles 9 step programs and 7
+more (16) instead of the split design's 164.
 Device state (donated into every program, so it is updated in place):
   k, v   [L, num_pages * page_size, KVH, D]  the paged KV cache, page 0 reserved
   counts [slots + 1, V] int32 output-token counts; pm [slots + 1, V] prompt-token mask
@@ -287,7 +293,7 @@ class ModelRunner:
         # Step outputs are replicated over the mesh so any process can read them locally (multihost.py).
         rep = (lambda t: jax.lax.with_sharding_constraint(t, self._replicated)) if self.mesh is not None else (lambda t: t)
 
-        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, mask, lora, spec, *, mode):
+        def step(params, state, inp: StepInputs, sample_idx, slot_ids, sa, mask, lora, spec):
             """The model over the step's tokens (KV written; `lora` = (bank, token slots) or None),
             then per sample row: penalties, bias, bans, the grammar mask, the draw (or, with `spec`,
             the verification of each position's proposed token), logprobs and the penalty-count
@@ -300,11 +306,16 @@ class ModelRunner:
                 counts = counts.at[jnp.arange(counts.shape[0])[:, None], spec.prior].add(1, mode="drop")
             logits = sampling.process_logits(raw, sa, counts, state["pm"][slot_ids])
             logits = sampling.apply_token_mask(logits, mask)
+            # one program for greedy and sampled steps: the draw runs behind a lax.cond on "every
+            # sample row is greedy" (padding rows are temperature 0), the branch the scheduler's
+            # greedy flag names; see the module docstring for what two programs cost
+            all_greedy = jnp.all(sa.temperature <= 0.0)
             if spec is None:
-                tok = sampling.greedy(logits) if mode == "greedy" else sampling.sample(logits, sa)
+                tok = jax.lax.cond(all_greedy, sampling.greedy, lambda x: sampling.sample(x, sa), logits)
                 inc, acc = 1, jnp.zeros_like(tok)
             else:
-                tok, acc = sampling.verify(logits, sa, spec.draft, greedy_only=mode == "greedy")
+                tok, acc = jax.lax.cond(all_greedy, lambda x: sampling.verify(x, sa, spec.draft, greedy_only=True),
+                                        lambda x: sampling.verify(x, sa, spec.draft, greedy_only=False), logits)
                 inc = sampling.emitted(acc, spec.draft, spec.group_start).astype(jnp.int32)
             chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
             counts = state["counts"].at[slot_ids, tok].add(inc)
@@ -330,8 +341,7 @@ class ModelRunner:
             return {**state, "pm": state["pm"].at[slot].set(pm_row), "counts": state["counts"].at[slot].set(c_row)}
 
         d = dict(donate_argnums=(1,))
-        self.programs.register("step_greedy", jax.jit(functools.partial(step, mode="greedy"), **d))
-        self.programs.register("step_sample", jax.jit(functools.partial(step, mode="sample"), **d))
+        self.programs.register("step", jax.jit(step, **d))
         self.programs.register("prompt_logprobs", jax.jit(prompt_logprobs))
         self.programs.register("copy_page", jax.jit(copy_page, donate_argnums=(0,)))
         self.programs.register("set_slot", jax.jit(set_slot, donate_argnums=(0,)))
@@ -457,11 +467,11 @@ class ModelRunner:
     @mirrored
     def step(self, rows: list[StepRow], greedy: bool, masks: Optional[np.ndarray] = None) -> StepResult:
         """One ragged step over `rows` (decode rows and prefill chunks together); `masks` as in
-        _step_args (None: no row is constrained)."""
+        _step_args (None: no row is constrained). `greedy` (every sample row at temperature 0)
+        keys the cost model only: the program picks its draw from the rows' temperatures."""
         t0 = time.perf_counter()
         key, args = self._step_args(rows, masks)
-        prog = "step_greedy" if greedy else "step_sample"
-        (small, h), self.state = self._run(prog, key, args)
+        (small, h), self.state = self._run("step", key, args)
         n = sum(len(r.samples) for r in rows)
         starts = np.cumsum([0] + [len(r.tokens) for r in rows])[:-1].tolist()
         a = _fetch(small)[:n]
@@ -527,22 +537,21 @@ class ModelRunner:
                     base = [(T, Pb)] + ([(T, Pb, "lora")] if self.lora is not None else [])
                     spec = [k + ("spec",) for k in base] if self.rc.spec_tokens > 0 else []
                     for k in base + spec:
-                        keys += [("step_greedy", k), ("step_sample", k)]
+                        keys.append(("step", k))
         keys += [("prompt_logprobs", (T,)) for T in self.lp_buckets]
         keys += [("lora_write", ())] if self.lora is not None else []
         return keys + [("copy_page", ()), ("set_slot", ())]
 
     def _example(self, prog: str, key: tuple) -> tuple:
         """Arguments with the exact shapes the serving path builds for (prog, key)."""
-        if prog in ("step_greedy", "step_sample"):
+        if prog == "step":
             T, Pb = key[:2]
             span = Pb * self.rc.page_size
             k = min(self.rows_for(T), -(-T // span))         # rows of up to `span` tokens each
             sizes = [T // k + (1 if i < T % k else 0) for i in range(k)]
-            temp = 0.0 if prog == "step_greedy" else 1.0
             draft = 0 if "spec" in key else -1
             rows = [StepRow(tokens=[0] * n, start=max(0, span - n), pages=[0] * Pb,
-                            samples=[SampleRow(self.dummy_slot, SamplingRow(temperature=temp), draft=draft)],
+                            samples=[SampleRow(self.dummy_slot, SamplingRow(temperature=0.0), draft=draft)],
                             lora_slot=1 if "lora" in key else 0) for n in sizes]
             got_key, args = self._step_args(rows)
             assert got_key == key, (got_key, key)
@@ -628,7 +637,7 @@ class ModelRunner:
             start = max(0, min(context, self.p_max * ps - n))
             rows.append(StepRow(tokens=[0] * n, start=start, pages=[0] * self.p_max, samples=samples))
         key = self.step_shape(rows) + (("spec",) if spec else ())
-        return rows if ("step_greedy" if greedy else "step_sample", key) in compiled else None
+        return rows if ("step", key) in compiled else None
 
     def _observe(self, key: tuple[int, bool, bool], ms: float) -> None:
         """Move the cost model's entry for a step that just ran toward what it cost. The warmup

@@ -206,7 +206,7 @@ class Scheduler:
                               self.max_model_len - seq.total_len - 1))
         # rows whose guesses could not pay even if every guess came: skip their proposer's work
         tracks = [s.spec for s in decoding]
-        greedy = all(s.req.params.temperature <= 0 for s in decoding)     # which step program runs
+        greedy = all(s.req.params.temperature <= 0 for s in decoding)     # which cost table prices it
 
         def cost(tokens: int, spec: bool) -> float:
             return self.runner.step_cost(tokens, spec, greedy)
