@@ -116,8 +116,9 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
     os.close(fd)
     objs = [f"{tmp}.{n}.o" for n in _PARTS]
+    procs: list[subprocess.Popen] = []
     try:
-        procs = [subprocess.Popen([cxx, *flags, f"-DXLASERVE_PART={n}", "-I", include, "-c", _SOURCE, "-o", o],
+        procs += [subprocess.Popen([cxx, *flags, f"-DXLASERVE_PART={n}", "-I", include, "-c", _SOURCE, "-o", o],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for n, o in zip(_PARTS, objs)]
         errors = [p.communicate(timeout=300)[1] for p in procs]     # both compile meanwhile
@@ -128,6 +129,10 @@ def _build() -> str:
             raise RuntimeError(f"{os.path.basename(cxx)} failed to link: {r.stderr.strip()[-600:]}")
         os.replace(tmp, out)          # atomic: processes building at once never load a partial file
     finally:
+        for p in procs:             # a part still compiling after the other failed or timed out
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         for f in [tmp, *objs]:
             if os.path.exists(f):
                 os.unlink(f)

@@ -62,3 +62,18 @@ def test_embed_chars_counts_characters_ids_and_pairs():
     assert _embed_chars(EmbedRequest("c", pairs=[("q", "doc")])) == 4
     assert _embed_chars(EmbedRequest("d", texts=[7, None])) == 2        # malformed items count one
     assert _embed_chars(EmbedRequest("e", texts=["x" * (TOKENIZE_INLINE_CHARS + 1)])) > TOKENIZE_INLINE_CHARS
+
+
+@pytest.mark.parametrize("matmul, models, started", [("auto", 1, True), ("xla", 1, False), ("auto", 0, False)])
+def test_engine_starts_the_kernel_build_on_cpu_unless_xla_is_forced(monkeypatch, tmp_path, matmul, models, started):
+    """Creating an engine on CPU starts the kernel build at once (so it overlaps model loading),
+    not with --cpu-matmul xla and not for an engine with no model."""
+    from jax_engine import engine as E
+    from jax_engine.config import EngineArgs, ModelSpec
+    from jax_engine.kernels import cpu as cpu_kernels
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "build_in_background", lambda: calls.append(1))
+    specs = [ModelSpec(name="m", path=str(tmp_path))] * models
+    E.Engine(EngineArgs(models=specs, cpu_matmul=matmul, compile_cache_dir=str(tmp_path / "jc")))
+    assert bool(calls) is started
