@@ -231,9 +231,11 @@ def read_bandwidth_tbps(gib: float, repeats: int = 5) -> Optional[float]:
 
 
 def engine_args(**kw):
+    """EngineArgs for the in-process engines; XLASERVE_CPU_MATMUL applies as it does to `serve`
+    (the dry run sets xla: on CPU every tiny model would otherwise time its matmul paths first)."""
     from jax_engine.config import EngineArgs
 
-    return EngineArgs(**kw)
+    return EngineArgs(**{"cpu_matmul": os.environ.get("XLASERVE_CPU_MATMUL", "auto"), **kw})
 
 
 def run_requests(engine, prompts: list[list[int]], new_tokens: int, loop, stagger_tokens: int = 0,
@@ -465,7 +467,7 @@ def write_bench_model(path: str, model: str, seed: int = 0) -> dict:
 def bench_engine_kw(a) -> dict:
     return dict(max_running_requests=max(a.batches), max_num_batched_tokens=a.max_batched_tokens,
                 max_model_len=a.max_model_len, page_size=16, enable_prefix_cache=False, max_n=a.max_n,
-                compile_cache_dir=a.cache_dir)
+                compile_cache_dir=a.cache_dir, cpu_matmul=os.environ.get("XLASERVE_CPU_MATMUL", "auto"))
 
 
 def step_bench(a, dl: Deadline) -> dict:

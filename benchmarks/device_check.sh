@@ -69,7 +69,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 # the bench engine, then the server process, each allocate on demand (JAX would take 75% up front)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ "$DRY" = 1 ]; then
-    export JAX_PLATFORMS=cpu
+    # XLA's dot on CPU: no kernel build, no matmul timing per tiny model (the device path has neither)
+    export JAX_PLATFORMS=cpu XLASERVE_CPU_MATMUL=xla
     LIMIT=300
 else
     LIMIT=470

@@ -71,6 +71,7 @@ from jax_engine.decode import sampling
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.executor import backend
 from jax_engine.executor.compilation import FlatState, ProgramCache
+from jax_engine.executor.program_store import stable_repr
 from jax_engine.lora import bank as lora_bank
 from jax_engine.models import decoder
 from jax_engine.models.llama import LlamaConfig, StepInputs
@@ -234,7 +235,8 @@ class ModelRunner:
         self.dummy_slot = rc.max_running
         self.mask_words = (cfg.vocab_size + 31) // 32        # the step's grammar bitmask width
         self._free_masks: dict[int, jax.Array] = {}
-        self.programs = ProgramCache("decoder")
+        self.programs = ProgramCache("decoder", context=stable_repr(
+            (cfg, rc, str(np.dtype(dtype)), mesh, str(self.flat.treedef), backend.platform())))
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests inject step failures here
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else jax.local_devices()[0]
         self.kv_dtype = backend.kv_dtype(dtype)

@@ -41,6 +41,7 @@ from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import AlreadyExists, EngineError, Internal, InvalidRequest, Overloaded, Unavailable
 from jax_engine.executor import backend
 from jax_engine.executor.compilation import FlatState, ProgramCache, install_compile_listener
+from jax_engine.executor.program_store import stable_repr
 from jax_engine.kernels import choose as cpu_matmul
 from jax_engine.models import bert
 from jax_engine.types import EmbedOutput, EmbedRequest, MatmulRoute, ModelInfo, ModelStats
@@ -274,7 +275,8 @@ class EmbedWorker:
         # split once: the bucket programs close over the graph definition and take the state's leaves
         self.graphdef, self.params = nnx.split(bert.pack_for_kernel(model, self.cfg))
         self.flat = FlatState.of(self.params)                  # what the programs take (FlatState: why)
-        self.programs = ProgramCache(f"embed:{spec.name}")
+        self.programs = ProgramCache(f"embed:{spec.name}", context=stable_repr(
+            (self.cfg, dtype, str(self.flat.treedef), backend.platform())))
         self.programs.register("forward", jax.jit(self._forward))
         self.packed = bert.attention_on_kernel(self.cfg)       # the varlen attention kernel at every size
         self.token_buckets = packed_buckets(max(self.buckets.max_program_tokens, self.max_len)) if self.packed else []

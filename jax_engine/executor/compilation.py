@@ -16,6 +16,8 @@ from typing import Any, Callable, Hashable, Iterable, Optional
 import jax
 from jax.tree_util import PyTreeDef
 
+from jax_engine.executor import program_store
+
 _lock = threading.Lock()
 _global_compiles = 0
 _listener_installed = False
@@ -43,11 +45,13 @@ def global_compile_count() -> int:
 
 
 def enable_persistent_cache(cache_dir: Optional[str]) -> str:
-    """Turn on JAX's persistent compilation cache; returns the directory used."""
+    """Turn on JAX's persistent compilation cache and, in it, the store of serialized programs
+    (program_store.py); returns the directory used."""
     if not cache_dir:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         cache_dir = os.path.join(base, "xlaserve", "jax_cache")
     os.makedirs(cache_dir, exist_ok=True)
+    program_store.configure(os.path.join(cache_dir, "xlaserve-programs"))
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -80,10 +84,17 @@ class FlatState:
 
 
 class ProgramCache:
-    """Compiled executables keyed by (program name, bucket key)."""
+    """Compiled executables keyed by (program name, bucket key).
 
-    def __init__(self, name: str):
+    `context`: a stable rendering (program_store.stable_repr) of everything the registered
+    functions close over (model config, settings, dtype, mesh, parameter tree); with the program
+    store on, compiled programs are saved under it and a later process with the same context
+    loads them instead of tracing (program_store.py: why)."""
+
+    def __init__(self, name: str, context: str = ""):
         self.name = name
+        self.context = f"{name}|{context}"
+        self.loaded_from_store = 0
         self._programs: dict[Hashable, Any] = {}
         self._builders: dict[str, Callable[..., Any]] = {}
         self.warm = False
@@ -94,8 +105,18 @@ class ProgramCache:
         self._builders[program] = jitted
 
     def compile(self, program: str, key: Hashable, example_args: tuple) -> Any:
-        """Compile `program` for `key` using abstract or concrete `example_args`."""
-        exe = self._builders[program].lower(*example_args).compile()
+        """Compile `program` for `key` using abstract or concrete `example_args` (or load it from
+        the program store)."""
+        store = program_store.current()
+        skey = store.key(self.context, program, key, example_args) if store is not None else None
+        exe = store.load(skey) if store is not None and skey is not None else None
+        if exe is None:
+            exe = self._builders[program].lower(*example_args).compile()
+            if store is not None and skey is not None:
+                store.save(skey, exe)
+        else:
+            with self._lock:
+                self.loaded_from_store += 1
         with self._lock:
             self._programs[(program, key)] = exe
         return exe

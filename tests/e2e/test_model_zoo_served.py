@@ -37,7 +37,10 @@ def zoo(tmp_path_factory):
     cmd = xlaserve() + ["serve", "--grpc-port", "0", "--http-port", "0", "--log-level", "info",
                         "--max-running-requests", "2", "--max-num-batched-tokens", "32", "--page-size", "16",
                         "--num-pages", "32", "--max-model-len", "128", "--max-lora-rank", "8", "--max-loras", "1",
-                        "--lora", f"phi3-lora={root / 'phi3-lora'}"]
+                        "--lora", f"phi3-lora={root / 'phi3-lora'}",
+                        # the C++ kernels forced (no start-up measurement: the chooser has its own tests) and
+                        # no burst buckets: 4 models' start-up was 3 of CI's 30 minutes
+                        "--cpu-matmul", "kernel", "--burst-batched-tokens", "0"]
     for f in FAMILIES:
         cmd += ["--model", f"{f}={root / f}"]
     env = {**os.environ, "XLASERVE_PROGRESS": "0"}

@@ -1,6 +1,6 @@
 """Run in a subprocess with 4 forced host devices: TP 1/2/4 and 2 replicas x TP 2 agree, for the
 base model and under a LoRA adapter (sharded LoRA B / A as the base weights, jax_engine/lora/bank.py);
-and TP 2 of each newer dense family (DENSE) agrees with TP 1."""
+and TP 2 of each newer dense family (DENSE) agrees with transformers."""
 import asyncio
 import json
 import os
@@ -47,18 +47,21 @@ DENSE = ["phi3", "gemma2", "gemma3", "qwen2_yarn", "llama_dynamic"]
 
 
 def dense_family(fam: str) -> dict:
+    """TP 2 of `fam` beside transformers on the same weights (the one-device engine's own parity with
+    transformers is tests/engine/test_decoder.py; comparing with transformers here spares a TP 1
+    engine per family, ~15 s each on 2 cores)."""
     path = tempfile.mkdtemp()
-    hf_models.build(fam, path)
-    out = {}
-    for tp in (1, 2):
-        eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=tp)]))
-        eng.load_all(progress=False, warmup=False)
-        w = eng.worker("m")
-        lin = w.replicas[0].runner.model().model.layers.self_attn.qkv_proj
-        qkv = (lin.weight if lin.weight is not None else lin.panels)[...]     # tp 1 on CPU: the kernel's panels
-        out[str(tp)] = {"logits": engine_logits(w, PROMPTS[3]).tolist(), "tokens": asyncio.run(greedy_all(eng, PROMPTS, 24)),
-                        "qkv_shards": len({s.device for s in qkv.addressable_shards})}
-        eng.shutdown()
+    model = hf_models.build(fam, path)
+    eng = Engine(small_args(models=[ModelSpec(name="m", path=path, tp=2)]))
+    eng.load_all(progress=False, warmup=False)
+    w = eng.worker("m")
+    lin = w.replicas[0].runner.model().model.layers.self_attn.qkv_proj
+    qkv = (lin.weight if lin.weight is not None else lin.panels)[...]
+    out = {"logits": engine_logits(w, PROMPTS[3]).tolist(), "tokens": asyncio.run(greedy_all(eng, PROMPTS, 24)),
+           "qkv_shards": len({s.device for s in qkv.addressable_shards}),
+           "hf_logits": hf_models.hf_logits(model, PROMPTS[3]).tolist(),
+           "hf_tokens": [hf_models.hf_greedy(model, p, 24) for p in PROMPTS]}
+    eng.shutdown()
     return out
 
 

@@ -1,0 +1,94 @@
+"""The store of serialized programs (jax_engine/executor/program_store.py): a second engine with the
+same configuration loads every program instead of tracing and compiling it and serves the same
+tokens; a damaged file is compiled again; anything that decides a program is in its key."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jax_engine.engine import Engine
+from jax_engine.executor import program_store
+from jax_engine.kernels.plan import UNBOUNDED, MatmulPlan, Timing
+from tests.helpers.engines import PROMPTS, greedy_all, small_args
+
+
+def _engine(path: str, cache: str, **kw) -> Engine:
+    from jax_engine.config import ModelSpec
+
+    eng = Engine(small_args(models=[ModelSpec(name="m", path=path)], compile_cache_dir=cache, cpu_matmul="xla",
+                                burst_batched_tokens=0, **kw))
+    eng.load_all(progress=False)
+    return eng
+
+
+def test_second_engine_loads_every_program_and_serves_the_same_tokens(demo_generator_path, tmp_path, server_loop):
+    cache = str(tmp_path / "cache")
+    first = _engine(demo_generator_path, cache)
+    try:
+        r1 = first.worker("m").replicas[0].runner
+        assert r1.programs.loaded_from_store == 0
+        saved = len(os.listdir(os.path.join(cache, "xlaserve-programs")))
+        assert saved == len(r1.programs)
+        want = server_loop.run(greedy_all(first, PROMPTS, 6))
+    finally:
+        first.shutdown()
+
+    second = _engine(demo_generator_path, cache)
+    try:
+        r2 = second.worker("m").replicas[0].runner
+        # every program came from the store: none was traced, lowered or compiled
+        assert r2.programs.loaded_from_store == len(r2.programs) == saved
+        got = server_loop.run(greedy_all(second, PROMPTS, 6))
+        assert got == want
+        assert r2.programs.compilations_after_warmup == 0
+        assert not r2.state_lost()       # donated state is handed back as before
+    finally:
+        second.shutdown()
+
+    # a damaged file is ignored (with a warning) and its program compiled again
+    store_dir = os.path.join(cache, "xlaserve-programs")
+    for name in os.listdir(store_dir):
+        with open(os.path.join(store_dir, name), "wb") as f:
+            f.write(b"not a program")
+    third = _engine(demo_generator_path, cache)
+    try:
+        r3 = third.worker("m").replicas[0].runner
+        assert r3.programs.loaded_from_store == 0 and len(r3.programs) == saved
+        assert server_loop.run(greedy_all(third, PROMPTS, 6)) == want
+    finally:
+        third.shutdown()
+
+
+def test_off_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("XLASERVE_PROGRAM_STORE", "0")
+    assert program_store.configure(str(tmp_path)) is None
+    monkeypatch.delenv("XLASERVE_PROGRAM_STORE")
+    assert program_store.configure(str(tmp_path)) is not None
+
+
+def test_key_covers_what_decides_a_program(tmp_path):
+    import numpy as np
+
+    store = program_store.ProgramStore(str(tmp_path))
+    args = (np.zeros((4, 8), np.int32), np.zeros((4,), np.float32))
+    base = store.key("ctx", "step", (16, 2), args)
+    assert store.key("ctx", "step", (16, 2), args) == base
+    assert store.key("ctx2", "step", (16, 2), args) != base
+    assert store.key("ctx", "copy_page", (16, 2), args) != base
+    assert store.key("ctx", "step", (16, 4), args) != base
+    assert store.key("ctx", "step", (16, 2), (args[0], args[1].astype(np.float16))) != base
+    assert store.key("ctx", "step", (16, 2), (args[0][:2], args[1])) != base
+    assert store.key("ctx", "step", (16, 2), (args,)) != base
+
+
+def test_stable_repr_ignores_measurements_but_not_routes():
+    t = Timing(weight="wq", m=1, shape_class="gemv", xla_s=1.0, kernel_s=2.0)
+    plan = MatmulPlan(routes=(("wq", ((UNBOUNDED, "xla"),)),), decode_rows=8, timings=(t,))
+    same = dataclasses.replace(plan, timings=(), source="cached")
+    other = dataclasses.replace(plan, routes=(("wq", ((UNBOUNDED, "kernel"),)),))
+    r = program_store.stable_repr
+    assert r(plan) == r(same)
+    assert r(plan) != r(other)
+    assert r({"b": 1, "a": 2}) == r({"a": 2, "b": 1})
+    assert "0x" not in r(test_stable_repr_ignores_measurements_but_not_routes)
+    assert r(plan) != r(dataclasses.replace(plan, decode_rows=16))
