@@ -24,6 +24,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import threading
 from typing import Any, Optional
 
@@ -111,6 +112,24 @@ def _platform_signature() -> str:
     })
 
 
+_TARGET_RE = re.compile(r'custom_call_target="(xlaserve_[A-Za-z0-9_]+)"')
+
+
+def _register(targets: list[str]) -> bool:
+    """Make the engine's own FFI targets a loaded program calls resolvable in this process.
+
+    Tracing the model registers them (jax_engine/kernels/cpu.py) before anything compiles; a
+    program loaded without tracing must do it itself, or XLA would find no handler for the call
+    (and the library sgemm path would run with no sgemm bound). False: not possible here."""
+    if not targets:
+        return True
+    from jax_engine.kernels import cpu as cpu_kernels  # only here: the kernels are below this layer's callers
+
+    if not cpu_kernels.available():
+        return False
+    return cpu_kernels.BLAS_TARGET not in targets or cpu_kernels.blas_available()
+
+
 class ProgramStore:
     """Serialized executables under `directory`, one file per key (see the module docstring)."""
 
@@ -134,7 +153,9 @@ class ProgramStore:
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                blob, in_tree, out_tree, device_ids = pickle.load(f)
+                blob, in_tree, out_tree, device_ids, targets = pickle.load(f)
+            if not _register(targets):
+                return None
             by_id = {d.id: d for d in jax.devices()}
             devices = [by_id[i] for i in device_ids]     # the devices it was compiled for, in order
             exe = serialize_executable.deserialize_and_load(blob, in_tree, out_tree, backend=devices[0].client,
@@ -152,8 +173,9 @@ class ProgramStore:
             blob, in_tree, out_tree = serialize_executable.serialize(exe)
             # deserialize_and_load would otherwise place it on every device of the backend
             device_ids = [d.id for d in exe._executable.xla_executable.local_devices()]
+            targets = sorted(set(_TARGET_RE.findall(exe.as_text() or "")))
             buf = io.BytesIO()
-            pickle.dump((blob, in_tree, out_tree, device_ids), buf, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump((blob, in_tree, out_tree, device_ids, targets), buf, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:     # e.g. a backend without executable serialization
             log.debug("program store: cannot serialize (%s)", e)
             return

@@ -92,3 +92,45 @@ def test_stable_repr_ignores_measurements_but_not_routes():
     assert r({"b": 1, "a": 2}) == r({"a": 2, "b": 1})
     assert "0x" not in r(test_stable_repr_ignores_measurements_but_not_routes)
     assert r(plan) != r(dataclasses.replace(plan, decode_rows=16))
+
+
+_KERNEL_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from jax_engine.executor import program_store
+from jax_engine.executor.compilation import ProgramCache
+from jax_engine.kernels import cpu as K
+program_store.configure(sys.argv[1])
+pc = ProgramCache("t", context="a program calling the engine's own FFI target")
+pc.register("attn", jax.jit(lambda qkv, mask: K.encoder_attention(qkv, mask, 2, 0.25)))
+qkv = np.random.RandomState(0).randn(2, 5, 3 * 2 * 16).astype(np.float32)
+mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.int32)
+exe = pc.compile("attn", (2, 5), (qkv, mask))
+print(json.dumps({"loaded": pc.loaded_from_store, "out": np.asarray(exe(qkv, mask)).ravel().tolist()}))
+"""
+
+
+def test_a_program_calling_the_cpu_kernel_loads_in_a_fresh_process(tmp_path):
+    """Tracing registers the C++ kernels' FFI targets; a program loaded without tracing, in a process
+    that never traced one, must register them itself or XLA finds no handler for the call."""
+    import json
+    import subprocess
+    import sys
+
+    from jax_engine.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.available():
+        import pytest
+
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.reason()}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def run() -> dict:
+        out = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT, str(tmp_path / "store")], cwd=root,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert (first["loaded"], second["loaded"]) == (0, 1)
+    assert second["out"] == first["out"]
