@@ -188,13 +188,30 @@ class ProgramStore:
 
 
 _store: Optional[ProgramStore] = None
+_here = threading.local()
+_listening = False
+
+
+def _on_event(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":      # recorded in the compiling thread
+        _here.hits = getattr(_here, "hits", 0) + 1
+
+
+def cache_hits_here() -> int:
+    """JAX persistent-cache hits in this thread so far. An executable JAX loaded from its own cache
+    must not be saved here: XLA:CPU serializes it without its compiled functions, and loading that
+    in another process fails ("Function ... not found"), so only real compiles are stored."""
+    return getattr(_here, "hits", 0)
 
 
 def configure(directory: Optional[str]) -> Optional[ProgramStore]:
     """Use `directory` for serialized programs (None: none); off on a multi-process slice (each
     process must compile its part of the collective program itself) and with
     XLASERVE_PROGRAM_STORE=0."""
-    global _store
+    global _store, _listening
+    if not _listening:
+        _listening = True
+        jax.monitoring.register_event_listener(_on_event)
     if directory is None or os.environ.get("XLASERVE_PROGRAM_STORE", "1") == "0" or jax.process_count() > 1:
         _store = None
     else:

@@ -134,3 +134,40 @@ def test_a_program_calling_the_cpu_kernel_loads_in_a_fresh_process(tmp_path):
     first, second = run(), run()
     assert (first["loaded"], second["loaded"]) == (0, 1)
     assert second["out"] == first["out"]
+
+
+def test_an_executable_from_jax_cache_is_not_stored(tmp_path):
+    """XLA:CPU serializes an executable JAX loaded from its persistent cache without its compiled
+    functions (loading it elsewhere fails: "Function ... not found"), so only real compiles are
+    stored: two owners compiling the same function, the second hitting JAX's cache, store one file."""
+    import jax
+    import numpy as np
+
+    from jax_engine.executor.compilation import ProgramCache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {n: getattr(jax.config, n) for n in names}
+    saved_store = program_store.current()
+    try:
+        # every compile goes to JAX's cache (the directory it first opened in this process, if any)
+        jax.config.update("jax_compilation_cache_dir", saved["jax_compilation_cache_dir"] or str(tmp_path / "jax"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        store = program_store.configure(str(tmp_path / "store"))
+
+        x = np.ones((8, 16), np.float32)
+        for ctx in ("first owner", "second owner"):
+            def f(a, b):       # a new function each time: lowered again, the second found in JAX's cache
+                return jax.numpy.where(a > 0, a + b, b * 3.0).sum(axis=1)
+            pc = ProgramCache("t", context=ctx)
+            pc.register("f", jax.jit(f))
+            hits = program_store.cache_hits_here()
+            pc.compile("f", (8,), (x, x))
+            if ctx == "second owner":
+                assert program_store.cache_hits_here() == hits + 1
+        assert store.saved == 1 and len(os.listdir(tmp_path / "store")) == 1
+    finally:
+        for n, v in saved.items():
+            jax.config.update(n, v)
+        program_store._store = saved_store
