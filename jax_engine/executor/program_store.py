@@ -181,9 +181,13 @@ class ProgramStore:
             return
         path = self._path(key)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(buf.getvalue())
+            os.replace(tmp, path)
+        except OSError as e:       # a full or read-only cache: serve anyway, compile again next start
+            log.warning("program store: cannot write %s (%s)", path, e)
+            return
         self.saved += 1
 
 
