@@ -78,7 +78,7 @@ from jax_engine.models.llama import LlamaConfig, StepInputs
 
 NUM_BIAS = 64     # static width of the sparse logit-bias arrays (a request may set up to this many)
 NUM_BAN = 16      # static width of the min_new_tokens ban list (EOS + stop token ids)
-LIVE_COST_WEIGHT = 0.05   # weight of one served step in its cost-model entry (_observe): ~20 steps
+LIVE_COST_WEIGHT = 0.05   # weight of one served step in the cost model's live offset (_observe): ~20 steps
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -242,6 +242,7 @@ class ModelRunner:
         self.kv_dtype = backend.kv_dtype(dtype)
         self.state = self._new_state()
         self.step_ms: dict[tuple[int, bool, bool], float] = {}   # speculation's cost model (time_steps)
+        self.live_offset_ms = 0.0       # what served steps cost above step_ms, on average (_observe)
         self.lora: Optional[lora_bank.Bank] = (
             lora_bank.new_bank(cfg, rc.lora_slots, rc.lora_rank, dtype, mesh) if rc.lora_slots > 0 else None)
         self._register()
@@ -618,6 +619,7 @@ class ModelRunner:
                     if (T, spec, greedy) in out:
                         floor = out[(T, spec, greedy)] = max(floor, out[(T, spec, greedy)])
         self.step_ms = out
+        self.live_offset_ms = 0.0
 
     def _timing_rows(self, T: int, spec: bool, context: int, compiled: set,
                      greedy: bool = True) -> Optional[list[StepRow]]:
@@ -642,20 +644,23 @@ class ModelRunner:
         return rows if ("step", key) in compiled else None
 
     def _observe(self, key: tuple[int, bool, bool], ms: float) -> None:
-        """Move the cost model's entry for a step that just ran toward what it cost. The warmup
-        table (time_steps) is the best of a few steps on an idle process; while serving, the event
-        loop and the streams' host work share the cores with the program, and a small step costs
-        more than it did at warmup. Measured on the 2-vCPU Zen 4 reference host, trained model,
-        8 sampled rows: a plain 8-token step 2.5 ms live vs 1.5 at warmup, a 16-token spec step
-        3.3 vs 2.2, a 64-token one 7.1 vs 6.7 -- the warmup table made the narrow steps look
-        cheaper than they are next to the wide ones. Only entries time_steps made are updated
-        (none when it did not run), so an entry the planner never uses keeps its warmup value,
-        and one it over-prices is not corrected (the planner just speculates less)."""
+        """Move the cost model's live offset toward what the step that just ran cost above its
+        warmup entry. The warmup table (time_steps) is the best of a few steps on an idle process;
+        while serving, the event loop and the streams' host work share the cores with the program
+        and every step costs more, by about the same time whatever its width (2-vCPU Zen 4,
+        trained model, 8 sampled rows: a plain 8-token step 2.5 ms live vs 1.5 at warmup, a
+        16-token spec step 3.3 vs 2.2, a 64-token one 7.1 vs 6.7). One offset for the whole
+        table, learned from every step: an earlier version moved each entry toward its own
+        steps, so the plain narrow entries the server runs all the time went up while the
+        verifying ones it runs rarely kept their idle warmup value, the planner saw speculation
+        as ~10 % cheaper than it was (8 concurrent sampled streams: 16-token spec steps observed
+        2.54 ms against 2.36 in the table) and verified guesses that did not pay."""
         old = self.step_ms.get(key)
         if old is not None:
-            self.step_ms[key] = old + LIVE_COST_WEIGHT * (ms - old)
+            self.live_offset_ms += LIVE_COST_WEIGHT * ((ms - old) - self.live_offset_ms)
 
     def step_cost(self, tokens: int, spec: bool, greedy: bool = True) -> float:
-        """Measured ms of a step over `tokens` tokens (time_steps), greedy or sampled; 1.0 when
-        not measured."""
-        return self.step_ms.get((pick(self.token_buckets, max(1, tokens)), spec, greedy), 1.0)
+        """Measured ms of a step over `tokens` tokens (time_steps, plus the live offset), greedy or
+        sampled; 1.0 when not measured."""
+        ms = self.step_ms.get((pick(self.token_buckets, max(1, tokens)), spec, greedy))
+        return 1.0 if ms is None else ms + self.live_offset_ms

@@ -15,7 +15,8 @@ expected to add outweigh what the wider step costs on this host:
     (decode tokens + expected accepted guesses) / step time, the step time measured per token
     bucket at warmup (runner.time_steps) and kept current from served steps (runner._observe).
     On an accelerator wider steps cost about the same and every good guess is kept; on a small
-    CPU host only the likely ones are.
+    CPU host only the likely ones are. Before the proposers run, the same pricing with every row
+    offering all the guesses it may decides which rows are asked at all.
   * a sequence whose q falls below `min_accept_rate` stops proposing for `backoff` decode steps
     (doubling up to MAX_BACKOFF while probes keep failing), so text the proposer cannot predict
     costs one probe every few dozen tokens, and no host time goes into proposing for it.
@@ -23,6 +24,7 @@ expected to add outweigh what the wider step costs on this host:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable, Optional, Sequence
 
 from jax_engine.spec import Proposer, Speculator, make_speculator
@@ -33,7 +35,10 @@ MAX_BACKOFF = 64
 EMA = 0.3          # weight of the latest verification in a sequence's acceptance average (0.5 let
                    # one full acceptance of sampled text lift q enough for 64-token steps that
                    # then emitted ~13 tokens: 8 rows at temperature 0.8, trained model)
-PRIOR_Q = 0.7      # a new sequence's guess acceptance chance, before any verification
+IDLE_PLANS = 8     # planned steps in a row without a guess before planning pauses (Drafter.gate)
+PRIOR_Q = 0.7      # the first sequences' guess acceptance chance, before any verification
+PRIOR_EMA = 0.02   # weight of one verification in the drafter's acceptance average, which later
+                   # sequences start from (~50 verifications: the recent workload, not one row)
 
 
 @dataclass
@@ -59,6 +64,10 @@ class Drafter:
     accepted_tokens: int = 0
     verify_rows: int = 0                       # row verifications with at least one guess
     hist: list[int] = field(default_factory=list)   # hist[a]: verifications that accepted a guesses
+    prior: float = PRIOR_Q                     # what a new sequence's q starts from (see start)
+    idle_plans: int = 0                        # consecutive planned steps that verified no guess
+    gate_pause: int = 0                        # steps left that skip planning altogether (see gate)
+    gate_backoff: int = MIN_BACKOFF
 
     def __post_init__(self) -> None:
         if self.speculator is None:
@@ -67,8 +76,43 @@ class Drafter:
             self.hist = [0] * (self.max_tokens + 1)
 
     def start(self, prompt: Sequence[int]) -> SpecTrack:
+        """A new sequence's track. Its q starts from the acceptance of this drafter's recent
+        verifications (over every sequence), not from a constant: with a fixed 0.7, each of 8
+        concurrent sampled streams of the trained model (real q ~0.3-0.5) bet on several guesses
+        as soon as it started, and a server whose requests come and go kept paying for those
+        bets. Never below min_accept_rate, so a new sequence still probes."""
         assert self.speculator is not None
-        return SpecTrack(self.speculator.start(prompt))
+        return SpecTrack(self.speculator.start(prompt), rate=max(self.prior, self.min_accept_rate))
+
+    def gate(self) -> bool:
+        """Whether to plan guesses for this step at all. Planning costs host time on the scheduler
+        thread every step (the sequences' pricing, the proposers; ~0.1-0.15 ms a step at 8
+        sampled streams of the trained model, 5-7 % of the step), paid also when it keeps no
+        guess. After IDLE_PLANS planned steps in a row that kept none, planning pauses for 4,
+        8, ... MAX_BACKOFF steps while each probe after a pause keeps none either; a step that
+        keeps a guess ends the pause cycle."""
+        if self.gate_pause > 0:
+            self.gate_pause -= 1
+            return False
+        return True
+
+    def planned(self, guesses: int) -> None:
+        """The step planned by the scheduler verifies `guesses` guesses (see gate)."""
+        if guesses > 0:
+            self.idle_plans, self.gate_backoff = 0, MIN_BACKOFF
+            return
+        self.idle_plans += 1
+        if self.idle_plans >= IDLE_PLANS:
+            self.gate_pause = self.gate_backoff
+            self.gate_backoff = min(MAX_BACKOFF, self.gate_backoff * 2)
+
+    def ready(self, track: SpecTrack) -> bool:
+        """Whether the sequence may propose this step; while it pauses, False and one step less
+        to wait (the planner then leaves its row out of the step's pricing)."""
+        if track.pause > 0:
+            track.pause -= 1
+            return False
+        return True
 
     def propose(self, track: SpecTrack, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to min(limit, max_tokens) guesses to follow `tokens`; none while the sequence pauses."""
@@ -76,7 +120,9 @@ class Drafter:
             track.pause -= 1
             return []
         k = min(limit, self.max_tokens)
-        return track.proposer.propose(tokens, k)[:k] if k > 0 else []
+        if k <= 0:
+            return []
+        return track.proposer.propose(tokens, k)[:k]
 
     def record(self, track: SpecTrack, proposed: int, accepted: int) -> None:
         """The step verified `proposed` guesses of this sequence and accepted the first `accepted`."""
@@ -88,6 +134,7 @@ class Drafter:
         self.hist[min(accepted, self.max_tokens)] += 1
         trials = accepted + (1 if accepted < proposed else 0)
         track.rate = (1 - EMA) * track.rate + EMA * accepted / trials
+        self.prior = (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * accepted / trials
         if track.rate < self.min_accept_rate:
             track.pause = track.backoff
             track.backoff = min(MAX_BACKOFF, track.backoff * 2)
@@ -96,21 +143,45 @@ class Drafter:
             track.backoff = MIN_BACKOFF
 
     def choose(self, proposals: Sequence[Sequence[int]], tracks: Sequence[SpecTrack], decode_tokens: int,
-               room: int, cost: Callable[[int, bool], float]) -> list[int]:
+               room: int, cost: Callable[[int, bool], float], chunk_tokens: int = 0,
+               widths: Optional[Sequence[int]] = None) -> list[int]:
         """How many of each row's guesses to verify (see the module docstring): the prefix of all
-        guesses, in order of expected gain q^i, that maximises (decode_tokens + expected accepted)
-        / cost(decode_tokens + guesses, True), against cost(decode_tokens, False) without any; at
-        most `room` guesses in all."""
-        items = sorted(((tr.rate ** (i + 1), -i, r) for r, (g, tr) in enumerate(zip(proposals, tracks))
-                        for i in range(len(g))), reverse=True)
-        best, best_val = 0, decode_tokens / max(cost(decode_tokens, False), 1e-9)
-        gain = float(decode_tokens)
-        for m, (g, _, _) in enumerate(items[:max(0, room)], 1):
-            gain += g
-            val = gain / max(cost(decode_tokens + m, True), 1e-9)
+        guesses, in order of expected gain q^i, that maximises (work + expected accepted) /
+        cost(base + guesses, True), against work / cost(base, False) without any, where the base
+        is the step's decode tokens and its `chunk_tokens` prefill tokens and the work counts each
+        of them once (a prompt token done now is one not done later); at most `room` guesses.
+
+        `widths` (the runner's token buckets, the points where the cost can change): the cost is
+        flat between them and the gain grows with every guess, so only the last guess count
+        within each width is priced -- 6-10 cost lookups instead of one per guess (this runs
+        twice before every step; on 8 rows x 8 guesses it took ~50 us a call)."""
+        take = [0] * len(proposals)
+        if room <= 0:
+            return take
+        items: list[tuple[float, int, int]] = []
+        for r, (g, tr) in enumerate(zip(proposals, tracks)):
+            q, v = tr.rate, tr.rate
+            if q <= 0:
+                continue
+            for i in range(len(g)):
+                items.append((v, -i, r))
+                v *= q
+        if not items:
+            return take
+        items.sort(reverse=True)
+        del items[room:]
+        base = decode_tokens + chunk_tokens
+        M = len(items)
+        if widths is None:
+            ms: Sequence[int] = range(1, M + 1)
+        else:
+            ms = sorted({w - base for w in widths if 0 < w - base < M} | {M})
+        gains = list(accumulate((g for g, _, _ in items), initial=float(base)))
+        best, best_val = 0, base / max(cost(base, False), 1e-9)
+        for m in ms:
+            val = gains[m] / max(cost(base + m, True), 1e-9)
             if val > best_val:
                 best, best_val = m, val
-        take = [0] * len(proposals)
         for _, _, r in items[:best]:
             take[r] += 1
         return take

@@ -232,26 +232,29 @@ def test_planner_costs_sampled_steps_with_the_sampled_table(engine):
         runner.step_ms = {}
 
 
-def test_served_steps_keep_the_cost_table_current(engine):
-    """Each served step moves its own bucket's entry toward what it cost (runner._observe): with a
-    table that prices every step at 1e6 ms, the entries a request's steps used come down, the
-    others keep their value; with no table (time_steps did not run) nothing is added."""
+def test_served_steps_keep_the_cost_model_current(engine):
+    """Each served step moves the cost model's one live offset toward what it cost above its
+    table entry (runner._observe), so every width is priced with what serving adds, the widths it
+    rarely runs too: with a table that prices every step at 1e6 ms the offset goes toward -1e6 and
+    every entry's price comes down alike, the table itself unchanged; with no table (time_steps
+    did not run) nothing is learned."""
     runner = _sched(engine).runner
     table = {(T, spec, greedy): 1e6 for T in runner.token_buckets for spec in (False, True)
              for greedy in (False, True)}
     runner.step_ms = dict(table)
+    runner.live_offset_ms = 0.0
     try:
         _use(engine, "off")
         asyncio.run(run(engine, LOOPY[0], temperature=0.0, max_new_tokens=12))
-        used = {k for k, v in runner.step_ms.items() if v < 1e6}
-        assert (1, False, True) in used                        # the decode steps of one greedy row
-        assert all(runner.step_ms[k] == 1e6 for k in table if k[2] is False)   # no sampled step ran
-        assert runner.step_ms.keys() == table.keys()
-        runner.step_ms = {}
+        assert runner.step_ms == table
+        assert -1e6 < runner.live_offset_ms < -1e5                  # 12 steps at weight 0.05: ~-0.46e6
+        prices = {runner.step_cost(T, spec, greedy) for T, spec, greedy in table}
+        assert len(prices) == 1 and prices.pop() == 1e6 + runner.live_offset_ms
+        runner.step_ms, runner.live_offset_ms = {}, 0.0
         asyncio.run(run(engine, LOOPY[0], temperature=0.0, max_new_tokens=4))
-        assert runner.step_ms == {}
+        assert runner.step_ms == {} and runner.live_offset_ms == 0.0
     finally:
-        runner.step_ms = {}
+        runner.step_ms, runner.live_offset_ms = {}, 0.0
 
 
 def test_no_compiles_after_warmup_with_speculation(engine):

@@ -81,6 +81,7 @@ class FakeRunner:
         self.rc = SimpleNamespace(max_running=max_running, max_batched_tokens=max_batched_tokens, page_size=page_size)
         self.max_tokens = max(max_batched_tokens, max_running)      # as ModelRunner: a decode row each
         self.budget_tokens = self.max_tokens                          # no burst budget (tested with the engine)
+        self.token_buckets = [1, 2, 4, 8, 16, 32, 64]                  # speculation's cost widths
         self.sched: Optional[Scheduler] = None
         self.steps: list[Step] = []
         self.copies: list[tuple[int, int]] = []
@@ -412,3 +413,60 @@ def test_the_budget_is_never_below_one_decode_row_per_running_sequence():
     assert [tokens(o) for o in outs] == [list(range(i + 2, i + 10)) for i in range(4)]
     assert all(s.num_tokens <= 4 for s in r.steps)
     assert_idle_and_clean(sched)
+
+
+class SpecFakeRunner(FakeRunner):
+    """FakeRunner that verifies guesses: a sample at row token `at` draws that token + 1, and a
+    guess is accepted when it equals the draw before it; every step width costs the same, so the
+    planner verifies every guess the budget has room for."""
+
+    def step(self, rows, greedy, masks=None):
+        res = super().step(rows, greedy, masks)
+        toks = [(r.tokens[s.at] + 1) % VOCAB for r in rows for s in r.samples]
+        drafts = [s.draft for r in rows for s in r.samples]
+        res.tokens = np.array(toks, np.int64)
+        if any(d >= 0 for d in drafts):
+            res.accepted = np.array([d >= 0 and d == t for d, t in zip(drafts, toks)], bool)
+        return res
+
+    def step_cost(self, tokens, spec, greedy=True):
+        return 1.0
+
+
+class _CountingProposer:
+    """Guesses the fake model's continuation (last + 1, last + 2, ...): always right."""
+
+    def propose(self, tokens, k):
+        return [(tokens[-1] + 1 + i) % VOCAB for i in range(k)]
+
+    def finish(self, tokens=None):
+        pass
+
+
+def test_guesses_take_only_the_room_prompt_chunks_leave():
+    """Prefill chunks are planned before guesses: a prompt arriving while a sequence speculates
+    is chunked exactly as without speculation (budget minus the decode tokens), and the
+    guesses fill what is left of the budget (scheduler._plan_drafts)."""
+    from jax_engine.decode.speculate import Drafter
+
+    runner = SpecFakeRunner(max_batched_tokens=16)
+    drafter = Drafter("ngram", 4, speculator=SimpleNamespace(start=lambda prompt: _CountingProposer()))
+    sched = Scheduler(runner, PagePool(64, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake",
+                      drafter=drafter)
+    runner.sched = sched
+    short = submit(sched, "short", [10, 11, 12], 30)
+    sched._drain_control()
+    sched.step()                                    # prompt + first token
+    sched.step()                                    # nothing else to do: the row verifies 4 guesses
+    assert [len(r.tokens) for r in runner.steps[1].rows] == [5]
+    longer = submit(sched, "long", list(range(100, 140)), 3)
+    run(sched)
+    long_steps = [(st, row) for st in runner.steps for p, row in st.chunks if p.rid == "long"]
+    assert [len(row.tokens) for _, row in long_steps] == [15, 15, 10]    # as without speculation
+    # the step with the last, 10-token chunk has room for the decode row's 4 guesses + 1 = 5 tokens
+    st, _ = long_steps[-1]
+    assert [len(r.tokens) for r in st.rows][:1] == [5] and st.num_tokens == 15
+    assert all(len(st.rows[0].tokens) == 1 for st, _ in long_steps[:2])  # full chunks: no room
+    assert tokens(short) == list(range(13, 43)) and tokens(longer) == [140, 141, 142]
+    assert drafter.accepted_tokens == drafter.proposed_tokens > 0
+    assert sched.pool.num_used() == 0 and sorted(sched.free_slots) == list(range(sched.max_running))

@@ -75,3 +75,82 @@ def test_low_acceptance_stops_guessing_and_good_rows_keep_going():
     assert st.verify_rows == made + 50 and st.accepted_tokens == 200
     assert st.accepted_histogram[0] == made and st.accepted_histogram[4] == 50
     assert abs(st.accept_length - (1 + 200 / (made + 50))) < 1e-9
+
+
+def test_prefill_tokens_in_the_step_are_priced_as_its_base():
+    """Guesses are priced on top of the step's prefill tokens: a chunk that already fills most of
+    a bucket makes the guesses that fit that bucket nearly free, and one that fills it makes any
+    guess start a wider bucket."""
+    cost = {8: 2.0, 16: 2.5, 32: 8.0, 64: 16.0}
+
+    def c(T, spec):
+        return next(v for b, v in sorted(cost.items()) if b >= T)
+
+    d = _drafter()
+    props, tracks = [[1, 2, 3, 4]] * 4, [_track(0.5)] * 4
+    assert d.choose(props, tracks, 4, 60, c) == [1] * 4                  # 4 decode + 4 guesses fit 8
+    assert d.choose(props, tracks, 4, 40, c, chunk_tokens=20) == [2, 2, 2, 2]   # 24 + 8 fill 32
+    assert d.choose(props, tracks, 4, 32, c, chunk_tokens=28) == [0] * 4         # 32: any guess costs 64
+
+
+def test_new_sequences_start_from_the_recent_acceptance():
+    """A new sequence's q is the drafter's recent acceptance, not a constant: after many poor
+    verifications new rows bet less (never below min_accept_rate), after good ones more."""
+    d = _drafter()
+    assert d.start([1]).rate == 0.7
+    t = d.start([1])
+    for _ in range(200):
+        d.record(t, 4, 1)                   # 1 of 2 trials each time: q -> 0.5
+    assert abs(d.start([1]).rate - 0.5) < 0.01
+    for _ in range(200):
+        d.record(t, 4, 0)
+    assert d.start([1]).rate == d.min_accept_rate
+    for _ in range(400):
+        d.record(t, 4, 4)
+    assert d.start([1]).rate > 0.99
+
+
+def test_pricing_only_at_the_bucket_edges_chooses_what_pricing_every_count_does():
+    import random
+
+    widths = [1, 2, 4, 8, 16, 32, 40, 48, 56, 64]
+    table = {w: 0.4 + 0.08 * w + (0.3 if w > 16 else 0) for w in widths}
+    calls: list[int] = []
+
+    def cost(T, spec):
+        calls.append(T)
+        return next(table[w] for w in widths if w >= T) * (1.1 if spec else 1.0)
+
+    rnd = random.Random(0)
+    d = _drafter()
+    for _ in range(300):
+        rows = rnd.randint(1, 8)
+        props = [[0] * rnd.randint(0, 8) for _ in range(rows)]
+        tracks = [_track(rnd.choice([0.3, 0.5, 0.8, 0.95, 0.99])) for _ in range(rows)]
+        chunk = rnd.choice([0, 0, 5, 20])
+        room = 64 - rows - chunk
+        calls.clear()
+        every = d.choose(props, tracks, rows, room, cost, chunk)
+        n_every = len(calls)
+        calls.clear()
+        edges = d.choose(props, tracks, rows, room, cost, chunk, widths)
+        assert edges == every
+        assert len(calls) <= min(n_every, len(widths) + 2)
+
+
+def test_planning_pauses_while_it_keeps_no_guess_and_resumes_when_it_does():
+    d = _drafter()
+    opened = []
+    for step in range(300):
+        if d.gate():
+            opened.append(step)
+            d.planned(0)
+    # 8 planned steps, then probes after pauses of 4, 8, 16, 32, 64, 64, ... steps
+    assert opened[:8] == list(range(8))
+    gaps = [b - a for a, b in zip(opened[7:], opened[8:])]
+    assert gaps[:6] == [5, 9, 17, 33, 65, 65]
+    while not d.gate():
+        pass
+    d.planned(3)                            # a plan that keeps a guess: the cycle starts over
+    assert all(d.gate() for _ in range(1)) and d.gate_backoff == 4 and d.idle_plans == 0
+
