@@ -78,7 +78,7 @@ class Drafter:
     def start(self, prompt: Sequence[int]) -> SpecTrack:
         """A new sequence's track. Its q starts from the acceptance of this drafter's recent
         verifications (over every sequence), not from a constant: with a fixed 0.7, each of 8
-        concurrent sampled streams of the trained model (real q ~0.3-0.5) bet on several guesses
+        concurrent sampled streams of the trained model (measured acceptance ~0.4-0.6) bet on several guesses
         as soon as it started, and a server whose requests come and go kept paying for those
         bets. Never below min_accept_rate, so a new sequence still probes."""
         assert self.speculator is not None
