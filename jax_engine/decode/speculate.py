@@ -80,8 +80,15 @@ class Drafter:
         verifications (over every sequence), not from a constant: with a fixed 0.7, each of 8
         concurrent sampled streams of the trained model (measured acceptance ~0.4-0.6) bet on several guesses
         as soon as it started, and a server whose requests come and go kept paying for those
-        bets. Never below min_accept_rate, so a new sequence still probes."""
+        bets. Never below min_accept_rate, so a new sequence still probes.
+
+        A new sequence also ends the planning gate's pause (see gate): the next step is a probe.
+        Text the proposer cannot predict keeps pausing (the backoff is not reset), but a request
+        that repeats an earlier one would otherwise wait out up to MAX_BACKOFF steps of its answer
+        unguessed: two prompts answered twice, 20 tokens each, had 2 of their second answers' 20
+        steps planned (CI caught it: 4 guesses accepted of a possible 40)."""
         assert self.speculator is not None
+        self.gate_pause = 0
         return SpecTrack(self.speculator.start(prompt), rate=max(self.prior, self.min_accept_rate))
 
     def gate(self) -> bool:

@@ -111,10 +111,10 @@ class ProgramCache:
         skey = store.key(self.context, program, key, example_args) if store is not None else None
         exe = store.load(skey) if store is not None and skey is not None else None
         if exe is None:
-            hits = program_store.cache_hits_here()
+            before = program_store.compile_events_here()
             exe = self._builders[program].lower(*example_args).compile()
-            if store is not None and skey is not None and program_store.cache_hits_here() == hits:
-                store.save(skey, exe)       # a real compile (program_store.cache_hits_here: why)
+            if store is not None and skey is not None and program_store.really_compiled(before):
+                store.save(skey, exe)       # program_store.really_compiled: why only these
         else:
             with self._lock:
                 self.loaded_from_store += 1

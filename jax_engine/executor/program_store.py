@@ -197,15 +197,35 @@ _listening = False
 
 
 def _on_event(event: str, **_: Any) -> None:
-    if event == "/jax/compilation_cache/cache_hits":      # recorded in the compiling thread
+    # both recorded synchronously in the compiling thread, by jax's compile_or_get_cached
+    if event == "/jax/compilation_cache/compile_requests_use_cache":
+        _here.requests = getattr(_here, "requests", 0) + 1
+    elif event == "/jax/compilation_cache/cache_hits":
         _here.hits = getattr(_here, "hits", 0) + 1
 
 
-def cache_hits_here() -> int:
-    """JAX persistent-cache hits in this thread so far. An executable JAX loaded from its own cache
-    must not be saved here: XLA:CPU serializes it without its compiled functions, and loading that
-    in another process fails ("Function ... not found"), so only real compiles are stored."""
-    return getattr(_here, "hits", 0)
+@dataclasses.dataclass(frozen=True)
+class CompileEvents:
+    """This thread's count of compiles that reached JAX's persistent cache, and of those it served."""
+    requests: int
+    hits: int
+
+
+def compile_events_here() -> CompileEvents:
+    return CompileEvents(getattr(_here, "requests", 0), getattr(_here, "hits", 0))
+
+
+def really_compiled(before: CompileEvents) -> bool:
+    """Whether the one compile since `before` ran XLA's compiler in this thread.
+
+    Only such an executable may be stored. One JAX loaded from its persistent cache is serialized
+    by XLA:CPU without its compiled functions, and loading that in another process fails ("Function
+    ... not found"). Nor may one JAX handed back from its in-process compile cache (the same jitted
+    function lowered again to the same module, e.g. a module-level program another owner compiled
+    first): it reaches neither event and may itself have come from the persistent cache (CI caught
+    this for the LoRA write program). So: exactly one cache request, and no hit."""
+    now = compile_events_here()
+    return now.requests == before.requests + 1 and now.hits == before.hits
 
 
 def configure(directory: Optional[str]) -> Optional[ProgramStore]:

@@ -136,10 +136,13 @@ def test_a_program_calling_the_cpu_kernel_loads_in_a_fresh_process(tmp_path):
     assert second["out"] == first["out"]
 
 
-def test_an_executable_from_jax_cache_is_not_stored(tmp_path):
+def test_only_real_compiles_are_stored(tmp_path):
     """XLA:CPU serializes an executable JAX loaded from its persistent cache without its compiled
     functions (loading it elsewhere fails: "Function ... not found"), so only real compiles are
-    stored: two owners compiling the same function, the second hitting JAX's cache, store one file."""
+    stored: a function compiled by a first owner is stored; a second owner whose compile JAX finds
+    in its persistent cache stores nothing; nor does a third owner compiling the second's very
+    jitted function, which JAX hands back from its in-process cache without reaching either (the
+    executable is the one loaded from the persistent cache)."""
     import jax
     import numpy as np
 
@@ -157,15 +160,21 @@ def test_an_executable_from_jax_cache_is_not_stored(tmp_path):
         store = program_store.configure(str(tmp_path / "store"))
 
         x = np.ones((8, 16), np.float32)
-        for ctx in ("first owner", "second owner"):
-            def f(a, b):       # a new function each time: lowered again, the second found in JAX's cache
-                return jax.numpy.where(a > 0, a + b, b * 3.0).sum(axis=1)
+        jitted = None
+        for ctx in ("first owner", "second owner", "third owner"):
+            if jitted is None or ctx == "second owner":
+                def f(a, b):       # a new function: lowered again, the second found in JAX's cache
+                    return jax.numpy.where(a > 0, a + b, b * 3.0).sum(axis=1)
+                jitted = jax.jit(f)
             pc = ProgramCache("t", context=ctx)
-            pc.register("f", jax.jit(f))
-            hits = program_store.cache_hits_here()
+            pc.register("f", jitted)
+            before = program_store.compile_events_here()
             pc.compile("f", (8,), (x, x))
+            after = program_store.compile_events_here()
             if ctx == "second owner":
-                assert program_store.cache_hits_here() == hits + 1
+                assert (after.requests, after.hits) == (before.requests + 1, before.hits + 1)
+            if ctx == "third owner":
+                assert after == before      # JAX's in-process cache: no event at all
         assert store.saved == 1 and len(os.listdir(tmp_path / "store")) == 1
     finally:
         for n, v in saved.items():

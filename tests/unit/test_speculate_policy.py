@@ -154,3 +154,20 @@ def test_planning_pauses_while_it_keeps_no_guess_and_resumes_when_it_does():
     d.planned(3)                            # a plan that keeps a guess: the cycle starts over
     assert all(d.gate() for _ in range(1)) and d.gate_backoff == 4 and d.idle_plans == 0
 
+
+
+def test_a_new_sequence_ends_the_pause_with_one_probe():
+    """A request that repeats an earlier answer must not wait out the pause the earlier, unguessable
+    text built up; the backoff stays, so an idle probe pauses again for longer."""
+    d = _drafter()
+    for _ in range(100):                    # unguessable text: planning is paused
+        if d.gate():
+            d.planned(0)
+    while d.gate_pause == 0:                # land inside a pause
+        if d.gate():
+            d.planned(0)
+    backoff = d.gate_backoff
+    d.start([1, 2, 3])
+    assert d.gate()                         # the new sequence's first step is planned
+    d.planned(0)                            # an idle probe: paused again, backoff kept growing
+    assert d.gate_pause == backoff and not d.gate()
