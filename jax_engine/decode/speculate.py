@@ -12,7 +12,8 @@ expected to add outweigh what the wider step costs on this host:
     (a verification that accepted a of g guesses is a successes and, when a < g, one failure),
     so its i-th guess is expected to add q^i tokens;
   * `choose` adds guesses in order of that expected gain and keeps the prefix that maximises
-    (decode tokens + expected accepted guesses) / step time, the step time measured per token
+    (decode tokens + expected accepted guesses) / step time, by at least MARGIN more than the
+    step without guesses, the step time measured per token
     bucket at warmup (runner.time_steps) and kept current from served steps (runner._observe).
     On an accelerator wider steps cost about the same and every good guess is kept; on a small
     CPU host only the likely ones are. Before the proposers run, the same pricing with every row
@@ -35,6 +36,15 @@ MAX_BACKOFF = 64
 EMA = 0.3          # weight of the latest verification in a sequence's acceptance average (0.5 let
                    # one full acceptance of sampled text lift q enough for 64-token steps that
                    # then emitted ~13 tokens: 8 rows at temperature 0.8, trained model)
+MARGIN = 0.1       # how much more tokens per ms guesses must promise than the step without them:
+                   # a verifying step also costs host work outside the program (accepting and
+                   # rolling back, updating the proposers) that the step-time table does not see.
+                   # 8 sampled streams (temperature 0.8) of the trained model, 2-vCPU Intel Xeon,
+                   # alternating runs,
+                   # suffix vs off: 0.92 / 0.93x with 0.1 against 0.79 / 0.80x with none;
+                   # repeat 1.57 / 1.53x against 1.56 / 1.59x
+EXPLORE_EVERY = 64  # steps without a verified guess after which one step verifies a few anyway
+EXPLORE_GUESSES = 4  # guesses per row in that step (see Drafter.exploring)
 IDLE_PLANS = 8     # planned steps in a row without a guess before planning pauses (Drafter.gate)
 PRIOR_Q = 0.7      # the first sequences' guess acceptance chance, before any verification
 PRIOR_EMA = 0.02   # weight of one verification in the drafter's acceptance average, which later
@@ -49,6 +59,7 @@ class SpecTrack:
     rate: float = PRIOR_Q           # exponential average of one guess's acceptance chance (q)
     pause: int = 0                  # decode steps left without proposing
     backoff: int = MIN_BACKOFF
+    explored: bool = False          # its guesses this step are an exploration (Drafter.exploring)
 
 
 @dataclass
@@ -68,6 +79,7 @@ class Drafter:
     idle_plans: int = 0                        # consecutive planned steps that verified no guess
     gate_pause: int = 0                        # steps left that skip planning altogether (see gate)
     gate_backoff: int = MIN_BACKOFF
+    unverified_steps: int = 0                  # steps since one verified a guess (see exploring)
 
     def __post_init__(self) -> None:
         if self.speculator is None:
@@ -97,14 +109,31 @@ class Drafter:
         sampled streams of the trained model, 5-7 % of the step), paid also when it keeps no
         guess. After IDLE_PLANS planned steps in a row that kept none, planning pauses for 4,
         8, ... MAX_BACKOFF steps while each probe after a pause keeps none either; a step that
-        keeps a guess ends the pause cycle."""
+        keeps a guess ends the pause cycle. An exploring step (see exploring) is always planned."""
+        self.unverified_steps += 1
+        if self.exploring():
+            self.gate_pause = 0
+            return True
         if self.gate_pause > 0:
             self.gate_pause -= 1
             return False
         return True
 
+    def exploring(self) -> bool:
+        """Whether this step verifies up to EXPLORE_GUESSES guesses of every proposing row whatever
+        they are priced at. A row's q only changes when its guesses are verified, and the pricing
+        verifies none at a low q where wider steps cost much (8 rows of the trained model: a
+        16-token step costs 1.5x an 8-token one, so nothing under q ~0.75 pays): rows started at
+        a low prior, or back from a pause at min_accept_rate, then never guessed again, and a
+        repeated workload at batch 8 ran without speculation for whole rounds (spec_decode, b8
+        repeat: 2 of 4 rounds with no guess verified). One such step every EXPLORE_EVERY steps
+        without a verified guess costs ~2 % there (a 40-token step instead of an 8-token one)."""
+        return self.unverified_steps >= EXPLORE_EVERY
+
     def planned(self, guesses: int) -> None:
         """The step planned by the scheduler verifies `guesses` guesses (see gate)."""
+        if guesses > 0 or self.exploring():     # an exploration that found nothing to guess waits too
+            self.unverified_steps = 0
         if guesses > 0:
             self.idle_plans, self.gate_backoff = 0, MIN_BACKOFF
             return
@@ -140,7 +169,10 @@ class Drafter:
         self.verify_rows += 1
         self.hist[min(accepted, self.max_tokens)] += 1
         trials = accepted + (1 if accepted < proposed else 0)
-        track.rate = (1 - EMA) * track.rate + EMA * accepted / trials
+        if track.explored:             # an exploration is a fresh estimate, not one more sample
+            track.rate, track.explored = accepted / trials, False
+        else:
+            track.rate = (1 - EMA) * track.rate + EMA * accepted / trials
         self.prior = (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * accepted / trials
         if track.rate < self.min_accept_rate:
             track.pause = track.backoff
@@ -154,7 +186,8 @@ class Drafter:
                widths: Optional[Sequence[int]] = None) -> list[int]:
         """How many of each row's guesses to verify (see the module docstring): the prefix of all
         guesses, in order of expected gain q^i, that maximises (work + expected accepted) /
-        cost(base + guesses, True), against work / cost(base, False) without any, where the base
+        cost(base + guesses, True), against work / cost(base, False) without any (raised by
+        MARGIN: host work a verifying step adds outside the program), where the base
         is the step's decode tokens and its `chunk_tokens` prefill tokens and the work counts each
         of them once (a prompt token done now is one not done later); at most `room` guesses.
 
@@ -163,7 +196,15 @@ class Drafter:
         within each width is priced -- 6-10 cost lookups instead of one per guess (this runs
         twice before every step; on 8 rows x 8 guesses it took ~50 us a call)."""
         take = [0] * len(proposals)
+        for tr in tracks:
+            tr.explored = False
         if room <= 0:
+            return take
+        if self.exploring():
+            for r, (g, tr) in enumerate(zip(proposals, tracks)):
+                take[r] = min(len(g), EXPLORE_GUESSES, room)
+                room -= take[r]
+                tr.explored = take[r] > 0
             return take
         items: list[tuple[float, int, int]] = []
         for r, (g, tr) in enumerate(zip(proposals, tracks)):
@@ -184,7 +225,7 @@ class Drafter:
         else:
             ms = sorted({w - base for w in widths if 0 < w - base < M} | {M})
         gains = list(accumulate((g for g, _, _ in items), initial=float(base)))
-        best, best_val = 0, base / max(cost(base, False), 1e-9)
+        best, best_val = 0, base / max(cost(base, False), 1e-9) * (1 + MARGIN)
         for m in ms:
             val = gains[m] / max(cost(base + m, True), 1e-9)
             if val > best_val:

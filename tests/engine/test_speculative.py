@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jax_engine.config import ModelSpec
+from jax_engine.decode import speculate
 from jax_engine.decode.speculate import Drafter
 from jax_engine.engine import Engine
 from jax_engine.errors import InvalidRequest
@@ -145,7 +146,7 @@ def test_constrained_rows_verify_against_the_grammar(engine):
     assert d.stats().accepted_tokens > 0
 
 
-def test_sampled_tokens_keep_their_distribution(engine):
+def test_sampled_tokens_keep_their_distribution(engine, monkeypatch):
     """Chi-square over the first three tokens (top-k 3: 27 outcomes) with a guess for the second on
     every request, the least likely candidate (so most guesses are rejected and the residual draw
     is exercised) and an accepted guess followed by the free draw of the third: the rejection rule
@@ -181,6 +182,7 @@ def test_sampled_tokens_keep_their_distribution(engine):
     d = _use(engine, "ngram")
     d.speculator = Always()
     d.min_accept_rate = 0.0                         # never pause: every request verifies its guess
+    monkeypatch.setattr(speculate, "MARGIN", -1.0)  # and pricing keeps any guess, however unlikely
 
     async def main():
         out = []

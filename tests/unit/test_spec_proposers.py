@@ -214,3 +214,28 @@ def test_make_speculator():
         make_speculator("medusa")
     with pytest.raises(ValueError):
         NgramProposer(max_n=2, min_n=3)
+
+
+def test_removal_by_bisection_equals_filtering_every_occurrence():
+    """SuffixIndex.remove cuts a doc's run out of each occurrence list by bisection while the lists
+    are sorted (docs extended in ascending id order, as the global cache does); the tables it leaves
+    equal those of filtering every entry, also when docs leave out of order (LRU) and lists were
+    trimmed, on a small alphabet so n-grams repeat across docs."""
+    rng = random.Random(5)
+    fast, slow = SuffixIndex((2, 4), max_occurrences=3), SuffixIndex((2, 4), max_occurrences=3)
+    slow._sorted = False
+    live: list[int] = []
+    for doc_id in range(1, 120):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(3, 30))]
+        for ix in (fast, slow):
+            ix.extend(doc_id, toks)
+        live.append(doc_id)
+        if len(live) > 6:
+            old = live.pop(rng.randrange(len(live)))       # not always the oldest
+            assert fast.remove(old) == slow.remove(old)
+        assert fast._sorted
+        assert [{k: list(v) for k, v in t.items()} for t in fast._tables] == \
+               [{k: list(v) for k, v in t.items()} for t in slow._tables]
+    fast.extend(1000, [1, 2, 3])
+    fast.extend(999, [1, 2, 3])                            # an older id extended later: filtering again
+    assert not fast._sorted

@@ -138,7 +138,10 @@ def test_pricing_only_at_the_bucket_edges_chooses_what_pricing_every_count_does(
         assert len(calls) <= min(n_every, len(widths) + 2)
 
 
-def test_planning_pauses_while_it_keeps_no_guess_and_resumes_when_it_does():
+def test_planning_pauses_while_it_keeps_no_guess_and_resumes_when_it_does(monkeypatch):
+    from jax_engine.decode import speculate
+
+    monkeypatch.setattr(speculate, "EXPLORE_EVERY", 10**9)     # explorations: the test below
     d = _drafter()
     opened = []
     for step in range(300):
@@ -171,3 +174,54 @@ def test_a_new_sequence_ends_the_pause_with_one_probe():
     assert d.gate()                         # the new sequence's first step is planned
     d.planned(0)                            # an idle probe: paused again, backoff kept growing
     assert d.gate_pause == backoff and not d.gate()
+
+
+def test_guesses_must_beat_the_plain_step_by_the_margin():
+    """8 rows, one guess each at q: a 16-token step at 1.5x the 8-token step's time emits 8 + 8q
+    tokens. q = 0.6 (1.6 / 1.5 = 1.07x more tokens per ms) is within the margin for host work the
+    table does not see and verifies nothing; q = 0.7 (1.13x) verifies every guess."""
+    from jax_engine.decode.speculate import MARGIN
+
+    def c(T, spec):
+        return 2.0 if T <= 8 else 3.0
+
+    d = _drafter()
+    assert 1.6 / 1.5 < 1 + MARGIN < 1.7 / 1.5
+    assert d.choose([[1]] * 8, [_track(0.6)] * 8, 8, 56, c) == [0] * 8
+    assert d.choose([[1]] * 8, [_track(0.7)] * 8, 8, 56, c) == [1] * 8
+
+
+def test_rows_priced_out_are_explored_and_learn_their_rate():
+    """At a q the pricing never verifies (8 rows, a wider step costing 1.5x), no guess would ever be
+    verified and q would never change. After EXPLORE_EVERY steps without a verified guess one step
+    verifies up to EXPLORE_GUESSES guesses per row, and what it accepted replaces q outright."""
+    from jax_engine.decode.speculate import EXPLORE_EVERY, EXPLORE_GUESSES
+
+    def c(T, spec):
+        return 2.0 if T <= 8 else 3.0
+
+    d = _drafter()
+    tracks = [_track(0.3) for _ in range(8)]
+    props = [[1, 2, 3, 4, 5, 6]] * 8
+    verified = []
+    for step in range(EXPLORE_EVERY * 2 + 1):
+        take = d.choose(props, tracks, 8, 56, c) if d.gate() else [0] * 8
+        d.planned(sum(take))
+        if any(take):
+            verified.append((step, take, all(t.explored for t in tracks)))
+    assert [s for s, _, _ in verified] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert verified[0][1:] == ([EXPLORE_GUESSES] * 8, True)
+    d.choose(props, tracks, 8, 56, c)         # the step after an exploration is priced again
+    assert not any(t.explored for t in tracks)
+    for t in tracks:
+        t.explored = True
+    # a repeated text: every explored guess accepted, q becomes 1 and the pricing keeps guessing
+    for t in tracks:
+        d.record(t, EXPLORE_GUESSES, EXPLORE_GUESSES)
+    assert all(t.rate == 1.0 and not t.explored for t in tracks)
+    assert d.gate() and any(d.choose(props, tracks, 8, 56, c))
+    # text it cannot predict: the exploration's 0 of 4 pauses the row as any verification would
+    t = _track(0.3)
+    t.explored = True
+    d.record(t, EXPLORE_GUESSES, 0)
+    assert t.pause > 0 and t.rate == d.min_accept_rate
