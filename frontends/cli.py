@@ -96,6 +96,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _ratio_or_zero(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or 1 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or a number > 1, got {text}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -157,6 +164,10 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
              "inter-token latency; 0 = off (default: 256 on CPU, off on GPU / TPU)")
     opt(m, "--burst-min-prompts", type=_positive, default=d["burst_min_prompts"],
         help="prompts awaiting their first token that switch a step to --burst-batched-tokens")
+    opt(m, "--itl-p99-ratio", type=_ratio_or_zero, default=d["itl_p99_ratio"],
+        help="latency guard: a prompt beside decoding streams may take a step longer than the token budget (up "
+             "to --burst-batched-tokens) when, by this host's measured step times, the streams' inter-token p99 "
+             "stays under this multiple of their median; 0 = off (prompts are chunked at the budget)")
     opt(m, "--max-waiting-requests", type=_positive, default=d["max_waiting_requests"],
         help="queue bound; beyond it requests are refused as overloaded (429 / RESOURCE_EXHAUSTED)")
     pc = m.add_mutually_exclusive_group()
@@ -365,6 +376,7 @@ def engine_args(ns: argparse.Namespace):
         max_model_len=ns.max_model_len, page_size=ns.page_size, page_bucket_ratio=ns.page_bucket_ratio, num_pages=ns.num_pages,
         max_running_requests=ns.max_running_requests, max_num_batched_tokens=ns.max_num_batched_tokens,
         burst_batched_tokens=ns.burst_batched_tokens, burst_min_prompts=ns.burst_min_prompts,
+        itl_p99_ratio=ns.itl_p99_ratio,
         max_waiting_requests=ns.max_waiting_requests, enable_prefix_cache=ns.enable_prefix_cache,
         compile_cache_dir=ns.compile_cache_dir, attention_backend=ns.attention_backend, cpu_matmul=ns.cpu_matmul,
         max_prompt_tokens=ns.max_prompt_tokens,

@@ -2,6 +2,7 @@
 settings against the engine's (`resolve`). The CLI's serve flags map onto `EngineArgs`."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -52,6 +53,7 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None   # None = token_budget_default() for the platform
     burst_batched_tokens: Optional[int] = None     # None = burst_budget_default(); 0 = off
     burst_min_prompts: int = 4                # prompts awaiting their first token that switch a step to the burst budget
+    itl_p99_ratio: float = 4.0                # latency guard (decode/latency_guard.py): 0 = off, else > 1
     max_waiting_requests: int = 256
     enable_prefix_cache: bool = True
     compile_cache_dir: Optional[str] = None
@@ -189,6 +191,8 @@ def resolve(spec: ModelSpec, args: EngineArgs) -> ResolvedSpec:
     elif burst and burst <= budget:
         raise InvalidRequest(f"--burst-batched-tokens {burst} must exceed --max-num-batched-tokens {budget} "
                              "(or be 0: off)")
+    if not (args.itl_p99_ratio == 0 or 1 < args.itl_p99_ratio < math.inf):
+        raise InvalidRequest(f"--itl-p99-ratio must be 0 (off) or > 1, got {args.itl_p99_ratio}")
     if args.burst_min_prompts < 1:
         raise InvalidRequest(f"--burst-min-prompts must be >= 1, got {args.burst_min_prompts}")
     return ResolvedSpec(

@@ -23,9 +23,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from jax_engine.constrain.state import fill_masks
+from jax_engine.decode.latency_guard import LatencyGuard
 from jax_engine.decode.page_pool import PagePool, chain_hashes
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
-from jax_engine.decode.runner import ModelRunner, StepResult
+from jax_engine.decode.runner import ModelRunner, StepResult, pick
 from jax_engine.decode.sequence import Request, SeqState, Sequence
 from jax_engine.decode.speculate import Drafter
 from jax_engine.types import GenerateOutput, TokenLogprob
@@ -35,7 +36,8 @@ log = logging.getLogger("xlaserve.scheduler")
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, pool: PagePool, eos_ids: set[int], max_model_len: int, name: str,
-                 drafter: Optional[Drafter] = None, burst_min_prompts: int = 4):
+                 drafter: Optional[Drafter] = None, burst_min_prompts: int = 4,
+                 guard: Optional[LatencyGuard] = None):
         self.runner, self.pool, self.eos_ids, self.max_model_len = runner, pool, eos_ids, max_model_len
         self.name = name
         self.drafter = drafter          # speculative decoding (None: off)
@@ -46,6 +48,8 @@ class Scheduler:
         self.burst = runner.max_tokens if runner.max_tokens > runner.budget_tokens else 0
         self.burst_min_prompts = burst_min_prompts
         self.burst_steps = 0
+        # how far past the latency budget a prompt may go beside decoding streams (None: not at all)
+        self.guard = guard if self.burst else None
         self.page_size = rc.page_size
         self.free_slots = list(range(rc.max_running - 1, -1, -1))
         self.waiting: list[Sequence] = []
@@ -155,24 +159,40 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
+        t0 = time.perf_counter()
         self._admit()
         decoding = self._reserve_decode_pages()
         chunks = self._plan_chunks(self._step_budget(len(decoding)) - len(decoding))
         guesses = self._plan_drafts(decoding, sum(n for _, n in chunks))
         if decoding or chunks:
-            if len(decoding) + guesses + sum(n for _, n in chunks) > self.budget:
+            tokens = len(decoding) + guesses + sum(n for _, n in chunks)
+            if tokens > self.budget:
                 self.burst_steps += 1
             self._run_step(decoding, chunks)
+            if self.guard is not None:
+                buckets = self.runner.token_buckets
+                self.guard.observe(pick(buckets, min(max(1, tokens), buckets[-1])),
+                                   (time.perf_counter() - t0) * 1000.0, len(decoding))
 
     def _step_budget(self, decoding: int) -> int:
-        """The latency budget, or the burst budget when no sequence decodes (no stream's next
+        """The latency budget, or more: the burst budget when no sequence decodes (no stream's next
         token waits for the step: a prompt is prefilled in one step instead of several) or while
         at least burst_min_prompts admitted prompts wait for their first token (a backlog:
         prefilled in large steps, the decoding streams wait longer for those steps, and then
         decode together in full steps instead of one after another in small ones;
-        config.burst_budget_default has the measurement)."""
+        config.burst_budget_default has the measurement); otherwise, while prompts wait beside
+        decoding streams, what the latency guard allows between the budget and the step that
+        finishes them all (latency_guard.py: why)."""
         if self.burst and (decoding == 0 or len(self.prefilling) >= self.burst_min_prompts):
             return self.burst
+        if self.guard is not None and self.prefilling:
+            want = min(self.burst, decoding + sum(s.target_computed - s.num_computed for s in self.prefilling))
+            if want > self.budget:
+                buckets = self.runner.token_buckets
+                top = pick(buckets, want)
+                b = self.guard.choose([x for x in buckets if self.budget < x <= top], decoding)
+                if b is not None:
+                    return min(b, want)
         return self.budget
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int]]:

@@ -26,6 +26,7 @@ from jax_engine.checkpoint.hf import load_tokenizer, read_config
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.constrain.compiler import CompiledGrammar, GrammarCompiler
 from jax_engine.decode.detokenizer import IncrementalDetokenizer
+from jax_engine.decode.latency_guard import LatencyGuard
 from jax_engine.decode.page_pool import PagePool
 from jax_engine.decode.runner import NUM_BAN, NUM_BIAS, ModelRunner, RunnerConfig
 from jax_engine.decode.scheduler import Scheduler
@@ -135,6 +136,8 @@ class GenerateWorker:
                                      f"(got {args.max_loras}, {args.max_lora_rank})")
         self.lora_table: Optional[AdapterTable] = AdapterTable(args.max_loras) if lora_on else None
         spec_k = _spec_tokens(args)
+        # the latency guard needs room above the budget (a burst budget) to let prompts through
+        guard_on = args.itl_p99_ratio > 0 and spec.burst_batched_tokens > 0
         self.replicas: list[Scheduler] = []
         self.local_runners: dict[str, ModelRunner] = {}   # by "<model>/<replica>", never wrapped
         for r, mesh in enumerate(self.meshes):
@@ -147,7 +150,8 @@ class GenerateWorker:
                               max_n=args.max_n, top_n=max(1, args.max_top_logprobs),
                               page_bucket_ratio=max(2, args.page_bucket_ratio),
                               lora_slots=args.max_loras if lora_on else 0, lora_rank=args.max_lora_rank,
-                              spec_tokens=spec_k, burst_tokens=spec.burst_batched_tokens)
+                              spec_tokens=spec_k, burst_tokens=spec.burst_batched_tokens,
+                              burst_fine=guard_on)
             rc.num_pages = spec.num_pages or self._auto_pages(rc)
             runner = ModelRunner(self.cfg, model, rc, mesh, self.dtype)
             self.local_runners[f"{spec.name}/{r}"] = runner
@@ -156,8 +160,9 @@ class GenerateWorker:
             pool = PagePool(rc.num_pages, self.page_size, enable_prefix_cache=spec.enable_prefix_cache,
                             ttl_s=spec.prefix_cache_ttl_s)
             drafter = Drafter(args.speculative, spec_k) if spec_k else None
+            guard = LatencyGuard(args.itl_p99_ratio) if guard_on else None
             self.replicas.append(Scheduler(runner, pool, self.eos_ids, self.max_model_len, f"{spec.name}/{r}",
-                                           drafter, burst_min_prompts=args.burst_min_prompts))
+                                           drafter, burst_min_prompts=args.burst_min_prompts, guard=guard))
         tok = self.tokenizer
         self.info = ModelInfo(
             name=spec.name, path=os.path.abspath(spec.path), tokenizer_path=os.path.abspath(spec.path), task="generate",
@@ -193,10 +198,13 @@ class GenerateWorker:
             s.runner.warmup(progress)
         self.warmup_s = time.time() - t
         r = self.replicas[0].runner
+        g = self.replicas[0].guard
         log.info("%s: %d programs compiled in %.1fs (ragged step: token buckets %s, page buckets %s; budget %d, "
-                 "burst %s)", self.spec.name, len(r.programs), self.warmup_s, r.token_buckets, r.page_buckets,
-                 r.budget_tokens, f"{r.max_tokens} from {self.args.burst_min_prompts} waiting prompts or an idle step"
-                 if r.max_tokens > r.budget_tokens else "off")
+                 "burst %s; latency guard %s)", self.spec.name, len(r.programs), self.warmup_s, r.token_buckets,
+                 r.page_buckets, r.budget_tokens,
+                 f"{r.max_tokens} from {self.args.burst_min_prompts} waiting prompts or an idle step"
+                 if r.max_tokens > r.budget_tokens else "off",
+                 f"ITL p99 <= {g.ratio:g}x p50" if g is not None else "off")
 
     def start(self) -> None:
         for s in self.replicas:

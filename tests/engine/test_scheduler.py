@@ -511,7 +511,8 @@ def test_burst_budget_prefills_a_backlog_then_returns_to_the_latency_budget(mode
     budget; with nothing decoding a prompt is prefilled in one burst step. Outputs equal
     one-at-a-time runs, and the burst buckets were compiled at warmup."""
     eng = make_engine(model_dir, max_num_batched_tokens=32, burst_batched_tokens=128, burst_min_prompts=3,
-                      enable_prefix_cache=False)    # every run computes its whole prompt
+                      enable_prefix_cache=False,    # every run computes its whole prompt
+                      itl_p99_ratio=0)              # the burst rule alone (the latency guard: test below)
     sched = eng._workers["gen"].replicas[0]
     runner = sched.runner
     assert runner.token_buckets == [1, 2, 4, 8, 16, 32, 64, 128] and (sched.budget, sched.burst) == (32, 128)
@@ -562,7 +563,7 @@ def test_burst_budget_is_capped_by_what_a_step_can_hold(model_dir):
     """2 rows of at most 64 tokens hold 128 tokens: a 256 burst budget becomes 128, and every
     program's example arguments build (the warm-up would compile each of them)."""
     eng = make_engine(model_dir, warmup=False, max_running_requests=2, max_model_len=64, max_num_batched_tokens=32,
-                      burst_batched_tokens=256)
+                      burst_batched_tokens=256, itl_p99_ratio=0)
     try:
         sched = eng._workers["gen"].replicas[0]
         runner = sched.runner
@@ -570,4 +571,57 @@ def test_burst_budget_is_capped_by_what_a_step_can_hold(model_dir):
         for prog, key in runner.all_keys():
             runner._example(prog, key)
     finally:
+        eng.shutdown()
+
+
+def test_latency_guard_lets_a_prompt_beside_a_stream_through_in_one_step_or_chunks_it(model_dir):
+    """With the latency guard on (the default where a burst budget exists), a prompt arriving
+    beside a decoding stream is prefilled in one step past the latency budget while the guard's
+    measurements allow it, and chunked at the budget when they do not; the x1.25 buckets above
+    the budget were compiled at warmup (no compile after it), outputs equal one-at-a-time runs."""
+    eng = make_engine(model_dir, max_num_batched_tokens=16, burst_batched_tokens=64, burst_min_prompts=4,
+                      enable_prefix_cache=False)
+    sched = eng._workers["gen"].replicas[0]
+    runner = sched.runner
+    assert sched.guard is not None and sched.guard.ratio == 4.0
+    assert runner.token_buckets == [1, 2, 4, 8, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    steps, gate, step = gate_steps(runner)
+    a = (list(range(10, 17)), greedy(None, 40))
+    b = (list(range(40, 80)), greedy(None, 4))          # 40 prompt tokens
+
+    async def beside_a():
+        first = asyncio.ensure_future(run(eng, a[0], **a[1]))
+        while sum(len(r) for r in steps) < 3:             # a is decoding
+            await asyncio.sleep(0.005)
+        gate.clear()
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(run(eng, b[0], **b[1]))
+        await asyncio.sleep(0.3)                          # b admitted
+        start = len(steps)
+        gate.set()
+        outs = await asyncio.gather(first, second)
+        sizes = [sum(len(r.tokens) for r in rows) for rows in steps[start:]]
+        return outs, sizes
+
+    try:
+        outs, sizes = asyncio.run(beside_a())
+        # the step gate.clear() held was a's decode step; then a's token + b's 40 in one step
+        assert sizes[1] == 41, sizes
+        g = sched.guard
+        for bucket in runner.token_buckets:
+            if bucket > 16:
+                g.cost[bucket] = 1e6                      # every step past the budget now looks long
+        g.share = 0.0
+        steps.clear()
+        outs2, sizes2 = asyncio.run(beside_a())
+        assert max(sizes2) <= 16 and sizes2[1:4] == [16, 16, 11], sizes2     # 15 + 15 + 10 beside a's token
+        for (prompt, params), got in zip([a, b], outs):
+            alone = asyncio.run(run(eng, prompt, **params))[0]["tokens"]
+            assert got[0]["tokens"] == alone
+        assert [o[0]["tokens"] for o in outs2] == [o[0]["tokens"] for o in outs]
+        runner.step = step
+        assert eng.compilations_after_warmup() == 0
+    finally:
+        runner.step = step
+        gate.set()
         eng.shutdown()

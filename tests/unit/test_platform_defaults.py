@@ -124,6 +124,8 @@ def test_token_budget_and_burst_defaults(monkeypatch, demo_path, plat):
         resolve(spec, EngineArgs(max_num_batched_tokens=64, burst_batched_tokens=32))
     with pytest.raises(InvalidRequest, match="--burst-min-prompts must be >= 1"):
         resolve(spec, EngineArgs(burst_min_prompts=0))
+    with pytest.raises(InvalidRequest, match="--itl-p99-ratio must be 0"):
+        resolve(spec, EngineArgs(itl_p99_ratio=0.5))
 
 
 def test_burst_buckets_double_from_the_budget():
@@ -133,3 +135,6 @@ def test_burst_buckets_double_from_the_budget():
     assert burst_buckets(64, 300) == [128, 256, 300]
     assert burst_buckets(64, 100) == [100] and burst_buckets(64, 64) == [] and burst_buckets(64, 0) == []
     assert step_buckets(64) + burst_buckets(64, 256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    # with the latency guard: four per octave above the budget (a prompt plus the streams beside it)
+    assert burst_buckets(64, 256, fine=True) == [80, 96, 112, 128, 160, 192, 224, 256]
+    assert burst_buckets(64, 100, fine=True) == [80, 96, 100] and burst_buckets(64, 64, fine=True) == []
