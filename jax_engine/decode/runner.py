@@ -42,8 +42,8 @@ greedy and a sampling program per bucket: the trained 3 M model's 7 step buckets
 models compiles 16 programs, not 25.
 P has one bucket (the model's whole span) unless the attention backend's cost grows with the
 page table's width (the reference's gather: `page_buckets`), so on CPU the demo generator (token
-budget 64, burst budget 256: token buckets 1 .. 64, 128, 256) compiles 9 step programs and 7
-more (16) instead of the split design's 164.
+budget 64, burst budget 256, latency guard on: token buckets 1 .. 64, 80 .. 256 four per octave)
+compiles 15 step programs and 7 more (22) instead of the split design's 164.
 Device state (donated into every program, so it is updated in place):
   k, v   [L, num_pages * page_size, KVH, D]  the paged KV cache, page 0 reserved
   counts [slots + 1, V] int32 output-token counts; pm [slots + 1, V] prompt-token mask
