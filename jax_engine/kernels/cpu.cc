@@ -155,7 +155,8 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     const W* chunk = panel + k0 * kTile;
     if constexpr (!std::is_same_v<W, float>) {
       if (M <= 6) {   // one block of rows: widen int8 in registers, no buffer round trip
-        micro_rows<W>(M, x + k0, chunk, out, K, ldo, 0, kn, first);
+        micro_rows<W>(M, x + k0, chunk, out, K, ldo, 0, kn, first,
+                      M > 1 && k0 + kKc < K ? chunk + kKc * kTile : nullptr);
         continue;
       }
     }
@@ -340,7 +341,7 @@ inline void pairs_f32(const int8_t* row, int v, v16& lo, v16& hi) {
 
 template <int MR, typename W>
 inline void micro_pairs(const uint32_t* x, int64_t K2, const W* panel, float* y, int64_t ldy, int64_t m0,
-                        int64_t kn2, bool first) {
+                        int64_t kn2, bool first, const W* pf = nullptr) {
   const uint32_t* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * K2;
 #ifdef __AVX512BF16__
@@ -350,6 +351,9 @@ inline void micro_pairs(const uint32_t* x, int64_t K2, const W* panel, float* y,
       acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (m0 + m) * ldy + 16 * v);
   for (int64_t j = 0; j < kn2; ++j) {
     const W* row = panel + j * kPairRow<W>;
+    if (pf != nullptr)
+      for (int l = 0; l < int(kPairRow<W> * sizeof(W) / 64); ++l)
+        __builtin_prefetch(pf + j * kPairRow<W> + l * (64 / sizeof(W)), 0, 2);
     __m512bh wv[kVec];
     for (int v = 0; v < kVec; ++v) wv[v] = pairs_bh(row, v);
     for (int m = 0; m < MR; ++m) {
@@ -365,6 +369,9 @@ inline void micro_pairs(const uint32_t* x, int64_t K2, const W* panel, float* y,
     for (int v = 0; v < kVec; ++v) acc[m][v] = first ? v16{} : load16(y + (m0 + m) * ldy + 16 * v);
   for (int64_t j = 0; j < kn2; ++j) {
     const W* row = panel + j * kPairRow<W>;
+    if (pf != nullptr)
+      for (int l = 0; l < int(kPairRow<W> * sizeof(W) / 64); ++l)
+        __builtin_prefetch(pf + j * kPairRow<W> + l * (64 / sizeof(W)), 0, 2);
     v16 lo[kVec], hi[kVec];
     for (int v = 0; v < kVec; ++v) pairs_f32(row, v, lo[v], hi[v]);
     for (int m = 0; m < MR; ++m) {
@@ -383,14 +390,14 @@ inline void micro_pairs(const uint32_t* x, int64_t K2, const W* panel, float* y,
 
 template <typename W>
 inline void micro_pairs_rows(int64_t rows, const uint32_t* x, int64_t K2, const W* panel, float* y,
-                             int64_t ldy, int64_t m0, int64_t kn2, bool first) {
+                             int64_t ldy, int64_t m0, int64_t kn2, bool first, const W* pf = nullptr) {
   switch (rows) {
-    case 6: micro_pairs<6, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    case 5: micro_pairs<5, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    case 4: micro_pairs<4, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    case 3: micro_pairs<3, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    case 2: micro_pairs<2, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
-    default: micro_pairs<1, W>(x, K2, panel, y, ldy, m0, kn2, first); break;
+    case 6: micro_pairs<6, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
+    case 5: micro_pairs<5, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
+    case 4: micro_pairs<4, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
+    case 3: micro_pairs<3, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
+    case 2: micro_pairs<2, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
+    default: micro_pairs<1, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
   }
 }
 
@@ -461,6 +468,11 @@ void amx_panel(const uint32_t*, int64_t, const uint32_t*, float*, int64_t, int64
 #endif
 
 constexpr int64_t kKc2 = 64;   // K pairs per pass: 64 x 64 columns x 4 bytes = 16 KiB of panel in L1
+// Decode rows (2..6) prefetch the pair panel this many K pairs ahead into L2 (8 KiB of bfloat16),
+// as the float kernel prefetches its next chunk (do_panel): the same 12-layer chain, M = 4, ms,
+// alternating builds: bfloat16 14.4-14.5 -> 10.3-10.7, int8 in the float model (its panels take
+// the next-chunk prefetch) 10.1-10.6 -> 4.8-6.4; M = 1 unchanged (no prefetch), M >= 16 level.
+constexpr int64_t kPfPairs = 32;
 
 // kn2 K pairs of an int8 pair panel as bfloat16 pairs (exact: |q| <= 127), into dst [kn2, 64].
 inline void widen_pairs(const int8_t* src, int64_t kn2, uint32_t* dst) {
@@ -500,7 +512,7 @@ inline void do_panel_pairs(const uint32_t* x, const W* panel, const float* scale
     return;
   }
   if (M <= 6) {   // decode: one pass over the panel, the accumulators never leave the registers
-    micro_pairs_rows<W>(M, x, K2, panel, out, ldo, 0, K2, true);
+    micro_pairs_rows<W>(M, x, K2, panel, out, ldo, 0, K2, true, M > 1 ? panel + kPfPairs * kPairRow<W> : nullptr);
   } else {
     alignas(64) uint32_t buf[std::is_same_v<W, int8_t> ? kKc2 * kTile : 1];
     for (int64_t k0 = 0; k0 < K2; k0 += kKc2) {
@@ -512,8 +524,11 @@ inline void do_panel_pairs(const uint32_t* x, const W* panel, const float* scale
       } else {
         chunk = panel + k0 * kTile;
       }
+      const uint32_t* pf = nullptr;
+      if constexpr (!std::is_same_v<W, int8_t>) pf = k0 + kKc2 < K2 ? chunk + kKc2 * kTile : nullptr;
       for (int64_t m = 0; m < M; m += 6)
-        micro_pairs_rows<uint32_t>(std::min<int64_t>(6, M - m), x + k0, K2, chunk, out, ldo, m, kn2, k0 == 0);
+        micro_pairs_rows<uint32_t>(std::min<int64_t>(6, M - m), x + k0, K2, chunk, out, ldo, m, kn2, k0 == 0,
+                                   m == 0 ? pf : nullptr);
     }
   }
   scale_columns(scale, out, ldo, M);
