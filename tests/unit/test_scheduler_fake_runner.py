@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from jax_engine.decode.latency_guard import LatencyGuard
 from jax_engine.decode.page_pool import PagePool
 from jax_engine.decode.rows import SampleRow, StepRow
 from jax_engine.decode.runner import StepResult
@@ -470,3 +471,56 @@ def test_guesses_take_only_the_room_prompt_chunks_leave():
     assert tokens(short) == list(range(13, 43)) and tokens(longer) == [140, 141, 142]
     assert drafter.accepted_tokens == drafter.proposed_tokens > 0
     assert sched.pool.num_used() == 0 and sorted(sched.free_slots) == list(range(sched.max_running))
+
+
+# ------------------------------------------------------------------ the latency guard
+def make_guarded(guard: LatencyGuard) -> Scheduler:
+    """A scheduler over the fake runner with a 16-token budget and a 64-token burst budget."""
+    runner = FakeRunner(max_running=4, max_batched_tokens=16, page_size=4)
+    runner.budget_tokens, runner.max_tokens = 16, 64
+    runner.token_buckets = [1, 2, 4, 8, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    sched = Scheduler(runner, PagePool(64, 4), eos_ids=set(), max_model_len=256, name="fake",
+                      burst_min_prompts=4, guard=guard)
+    runner.sched = sched
+    return sched
+
+
+def steps_beside_a_stream(guard: LatencyGuard) -> tuple[list[int], list[int]]:
+    """Stream a decodes; a 40-token prompt b arrives: the token counts of the steps while b
+    prefills, and b's tokens."""
+    sched = make_guarded(guard)
+    submit(sched, "a", [5, 6, 7], new=30)
+    sched._drain_control()
+    for _ in range(3):
+        sched.step()                                  # a prefilled, then decoding
+    outs = submit(sched, "b", list(range(100, 140)), new=4)
+    sched._drain_control()
+    before = len(sched.runner.steps)
+    sched.step()
+    while any(s.req.request_id == "b" for s in sched.prefilling):
+        sched.step()
+    sizes = [st.num_tokens for st in sched.runner.steps[before:]]
+    run(sched)
+    return sizes, tokens(outs)
+
+
+def test_the_scheduler_prefills_in_one_step_when_the_guard_allows_and_chunks_when_not():
+    allow, b_tokens = steps_beside_a_stream(LatencyGuard(4.0))        # nothing measured: allowed
+    assert allow == [41], allow                                        # a's token + the whole prompt (bucket 48)
+    refuse = LatencyGuard(4.0)
+    for _ in range(50):
+        refuse.observe(1, 1.0, 1)                                      # 1 ms gaps: line 3.6 ms
+    for b in (20, 24, 28, 32, 40, 48, 56, 64):
+        refuse.observe(b, 50.0, 0)                                     # every step above 16 is long
+    refuse.share = 0.0                                                 # and none may be spent
+    chunked, b_tokens2 = steps_beside_a_stream(refuse)
+    assert chunked == [16, 16, 11], chunked                            # a's token + 15 of the prompt per step
+    assert b_tokens == b_tokens2 == list(range(140, 144))              # the fake runner's next = last + 1
+    partial = LatencyGuard(4.0)
+    for _ in range(50):
+        partial.observe(1, 10.0, 1)                                    # line 36 ms
+    for b, ms in ((20, 20.0), (24, 25.0), (28, 30.0), (32, 35.0), (40, 45.0), (48, 50.0)):
+        partial.observe(b, ms, 0)
+    partial.share = 0.0
+    sizes, _ = steps_beside_a_stream(partial)
+    assert sizes == [32, 10], sizes                                    # the largest step under the line, then the rest
