@@ -93,7 +93,9 @@ def token_budget_default(accelerator: bool) -> int:
     ('small' Llama, Poisson 128-token prompts and answers at 1 and 2 req/s): a step's time grows
     with its tokens, so the budget bounds how long a prompt chunk holds up the streams decoding
     beside it; 64 kept the inter-token p99 under 4x the median (3.6x / 3.5x) for a first token
-    ~20 % later than at 128 (196 vs 166 ms at 1 req/s), where the p99 was 6.6x. GPU / TPU: 2048,
+    ~20 % later than at 128 (196 vs 166 ms at 1 req/s), where the p99 was 6.6x. Since the latency
+    guard (--itl-p99-ratio, decode/latency_guard.py) lets a prompt past it whenever the measured
+    step times allow, the budget is the chunk size when the guard says no. GPU / TPU: 2048,
     vLLM's chunked-prefill default (a step there is bandwidth-bound far beyond 64 tokens; not
     measured here: no accelerator was available)."""
     return ACCELERATOR_TOKEN_BUDGET if accelerator else CPU_TOKEN_BUDGET
