@@ -1,0 +1,72 @@
+"""The step program's small sample branch (runner.FEW_SAMPLES): a step whose real sample rows fit
+in `few_samples` runs the LM head and the draw over those rows only. Its tokens, logprobs and
+penalty counts must equal the full branch's, which the same rows take when more rows sample."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
+from jax_engine.decode.runner import ModelRunner, RunnerConfig
+from jax_engine.models import decoder
+from jax_engine.models.llama import LlamaConfig
+
+PS, L, KVH, G, D, H, I, V = 16, 2, 2, 2, 16, 32, 64, 97
+
+
+def tiny_runner() -> ModelRunner:
+    rng = np.random.default_rng(5)
+    cfg = LlamaConfig(architecture="LlamaForCausalLM", model_type="llama", vocab_size=V, hidden_size=H,
+                      intermediate_size=I, num_layers=L, num_heads=KVH * G, num_kv_heads=KVH, head_dim=D,
+                      rms_eps=1e-6, max_position_embeddings=256,
+                      inv_freq=tuple(1.0 / (10000.0 ** (np.arange(0, D, 2) / D))))
+    w = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.3)  # noqa: E731
+    lay = "model.layers."
+    tensors = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": jnp.ones(H), "lm_head.weight": w(H, V),
+               lay + "input_layernorm.weight": jnp.ones((L, H)), lay + "post_attention_layernorm.weight": jnp.ones((L, H)),
+               lay + "self_attn.qkv_proj.weight": w(L, H, KVH, G + 2, D), lay + "self_attn.o_proj.weight": w(L, KVH, G, D, H),
+               lay + "mlp.gate_up_proj.weight": w(L, H, 2, I), lay + "mlp.down_proj.weight": w(L, I, H)}
+    rc = RunnerConfig(page_size=PS, num_pages=24, max_running=8, max_batched_tokens=32, max_model_len=64, max_n=1,
+                      top_n=2)
+    return ModelRunner(cfg, decoder.build(cfg, tensors), rc, None, jnp.float32)
+
+
+def test_few_sample_rows_equal_the_full_branch():
+    greedy = SamplingRow(rep_pen=1.3)
+    sampled = SamplingRow(temperature=0.8, top_k=20, seeds=77, freq_pen=0.5)
+    first = [StepRow(list(range(3, 19)), 0, [1, 9], [SampleRow(0, greedy)]),          # 16-token prompt
+             StepRow(list(range(30, 38)), 0, [2], [SampleRow(1, sampled)])]         # 8-token prompt
+    extra = [StepRow([50 + i], 0, [3 + i], [SampleRow(2 + i, greedy)]) for i in range(6)]   # 1-token prompts
+    runs = {}
+    for name, rows in (("few", first), ("full", first + extra)):
+        r = tiny_runner()
+        assert r.few_samples == 2
+        out1 = r.step(rows, greedy=False)
+        key, args = r._step_args(rows)
+        assert key[0] == 32 and args[3].shape[0] == 8          # both runs: the same bucket, 8 sample rows
+        # decode two more tokens for the first two rows (penalties now see the drawn tokens)
+        toks = out1.tokens[:2].tolist()
+        outs = [out1]
+        for pos in range(2):
+            dec = [StepRow([toks[0]], 16 + pos, [1, 9], [SampleRow(0, greedy)]),
+                   StepRow([toks[1]], 8 + pos, [2], [SampleRow(1, SamplingRow(**{**sampled.__dict__, "steps": pos + 1}))])]
+            o = r.step(dec + (extra if name == "full" else []), greedy=False)
+            toks = o.tokens[:2].tolist()
+            outs.append(o)
+        runs[name] = (outs, r)
+    for a, b in zip(runs["few"][0], runs["full"][0]):
+        assert a.tokens[:2].tolist() == b.tokens[:2].tolist()
+        np.testing.assert_allclose(a.logprobs[:2], b.logprobs[:2], atol=1e-5)
+        np.testing.assert_allclose(a.top_values[:2], b.top_values[:2], atol=1e-5)
+        assert a.top_ids[:2].tolist() == b.top_ids[:2].tolist()
+    counts_few = np.asarray(runs["few"][1].state["counts"])[:2]
+    counts_full = np.asarray(runs["full"][1].state["counts"])[:2]
+    assert counts_few.sum() == 6 and (counts_few == counts_full).all()
+
+
+def test_the_step_program_holds_a_two_row_lm_head_beside_the_full_one():
+    r = tiny_runner()
+    rows = [StepRow(list(range(3, 19)), 0, [1], [SampleRow(0, SamplingRow())])]
+    key, args = r._step_args(rows)
+    hlo = r.programs.get("step", key, args).as_text()
+    assert f"f32[2,{V}]" in hlo and f"f32[8,{V}]" in hlo
