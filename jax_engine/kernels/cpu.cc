@@ -259,6 +259,18 @@ void for_each_panel(ffi::ThreadPool& pool, int64_t M, int64_t P, int64_t N, floa
 
 // x [M, K]; w [L, P, K, 64] (P panels of 64 columns, the last zero-padded); layer [] int32;
 // y [M, N] with 64 (P - 1) < N <= 64 P; int8 weights also take scale [L, 64 P] per column.
+// The rows of x to compute: all M, or with a two-element layer operand [layer, rows] the first
+// `rows` (a ragged step's real tokens; the token bucket pads the rest), the rest of y zeroed so
+// padding tokens stay finite (zeros) wherever they flow. Why: the guard's steps are one prompt
+// plus the streams beside it, and the bucket's padding cost as much as real tokens ('small'
+// model, a 128-token prompt beside 4 streams in the 160 bucket: 90.9 -> 80.3 ms a step).
+inline int64_t live_rows(const ffi::Buffer<ffi::S32>& layer, int64_t M, float* y, int64_t N) {
+  if (layer.element_count() < 2) return M;
+  const int64_t r = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[1], 0), M);
+  if (r < M) std::memset(y + r * N, 0, (M - r) * N * sizeof(float));
+  return r;
+}
+
 template <typename W>
 ffi::Error gemm(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* sp, int64_t M, int64_t K,
                 int64_t L, int64_t P, int64_t N, int64_t li, float* yp) {
@@ -290,6 +302,7 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   int64_t M, K, L, P, N;
   if (auto e = check(x, w, y, M, K, L, P, N); e.failure()) return e;
+  M = live_rows(layer, M, y->typed_data(), N);
   return gemm<float>(pool, x.typed_data(), w.typed_data(), nullptr, M, K, L, P, N, layer.typed_data()[0],
                      y->typed_data());
 }
@@ -300,6 +313,7 @@ ffi::Error GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsI8 w,
   if (auto e = check(x, w, y, M, K, L, P, N); e.failure()) return e;
   if (s.dimensions()[0] != L || s.dimensions()[1] != P * kTile)
     return ffi::Error::InvalidArgument("xlaserve_gemm_i8: scale must be [L, 64 P]");
+  M = live_rows(layer, M, y->typed_data(), N);
   return gemm<int8_t>(pool, x.typed_data(), reinterpret_cast<const int8_t*>(w.typed_data()), s.typed_data(),
                       M, K, L, P, N, layer.typed_data()[0], y->typed_data());
 }
@@ -549,11 +563,12 @@ ffi::Error gemm_pairs(ffi::ThreadPool& pool, const ffi::Buffer<ffi::BF16>& x, co
   const auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("xlaserve_gemm pairs: x must be [M, K], w [L, P, K / 2, 128], y [M, N]");
-  const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (K != 2 * K2 || yd[0] != M || N > P * kTile || N <= (P - 1) * kTile)
+  const int64_t K = xd[1], N = yd[1];
+  if (K != 2 * K2 || yd[0] != xd[0] || N > P * kTile || N <= (P - 1) * kTile)
     return ffi::Error::InvalidArgument("xlaserve_gemm pairs: operand shapes do not agree (K must be even)");
   const int64_t li = layer.typed_data()[0];
   if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm pairs: layer index out of range");
+  const int64_t M = live_rows(layer, xd[0], y->typed_data(), N);
   if (M == 0) return ffi::Error::Success();
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.typed_data());
   const W* wl = wp + li * P * K2 * kPairRow<W>;

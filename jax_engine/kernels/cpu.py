@@ -305,14 +305,18 @@ def _pairs(w: Any) -> bool:
     return (w["q"] if isinstance(w, dict) else w).shape[-1] == 2 * PANEL
 
 
-def gemm(x: jax.Array, w: Any, layer: Any, n: int) -> jax.Array:
+def gemm(x: jax.Array, w: Any, layer: Any, n: int, rows: Optional[jax.Array] = None) -> jax.Array:
     """x [M, K] @ w[layer] (packed float32 or bfloat16, or int8 {"q", "s"}) -> [M, n] float32.
     x is computed in float32 for panels of 64 columns (float32, int8; as XLA's
     preferred_element_type) and rounded to bfloat16 for the K-pair panels (bfloat16 weights and
-    a bfloat16 model's int8 ones: its activations already are bfloat16)."""
+    a bfloat16 model's int8 ones: its activations already are bfloat16). `rows` (an int32
+    scalar, or None for all M): only x's first `rows` rows are computed, the rest of the result
+    is zeros (a ragged step's padding tokens; cpu.cc: live_rows)."""
     _require()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     li = jnp.asarray(layer, jnp.int32).reshape(())
+    if rows is not None:                 # the layer operand becomes [layer, rows]
+        li = jnp.stack([li, jnp.asarray(rows, jnp.int32).reshape(())])
     if _pairs(w):
         xb = x.astype(jnp.bfloat16)
         if xb.shape[1] % 2:                                   # the pair layout's zero row
@@ -325,16 +329,17 @@ def gemm(x: jax.Array, w: Any, layer: Any, n: int) -> jax.Array:
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w, li)
 
 
-def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...]) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...],
+           rows: Optional[jax.Array] = None) -> jax.Array:
     """The packed-weight counterpart of an einsum contracting x's last k_dims axes: returns
-    x.shape[:-k_dims] + out_tail in float32."""
+    x.shape[:-k_dims] + out_tail in float32 (`rows`: as gemm's, over the flattened lead)."""
     lead = x.shape[:x.ndim - k_dims]
     K = math.prod(x.shape[x.ndim - k_dims:])
     n = math.prod(out_tail)
     q = w["q"] if isinstance(w, dict) else w
     if tuple(q.shape[1:]) != packed_shape((), K, n, q.dtype, pairs=_pairs(w)):
         raise ValueError(f"packed weight {q.shape} does not fit input {x.shape} -> {out_tail}")
-    y = gemm(x.reshape(-1, K), w, layer, n)
+    y = gemm(x.reshape(-1, K), w, layer, n, rows)
     return y.reshape(lead + tuple(out_tail))
 
 

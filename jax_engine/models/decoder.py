@@ -136,13 +136,15 @@ def kept_whole(path: str, cfg: LlamaConfig, m: int) -> bool:
     return False
 
 
-def matmul(cfg: LlamaConfig, lin: Linear, li: jax.Array, v: jax.Array, out_tail: tuple[int, ...], m: int) -> jax.Array:
+def matmul(cfg: LlamaConfig, lin: Linear, li: jax.Array, v: jax.Array, out_tail: tuple[int, ...], m: int,
+           live: Optional[jax.Array] = None) -> jax.Array:
     """One layer matmul of a program with m rows, on the path cfg routes it to; `li` is the layer
     index (the kernel and the library sgemm read the stacked weight), out_tail the unsharded
-    output dims (what the kernel path needs)."""
+    output dims (what the kernel path needs). `live` (a scalar, or None): rows past it are
+    padding; the kernel path skips them (zeros), the others compute them."""
     path = matmul_path(cfg, lin.name, m)
     if path == "kernel":
-        return cpu_kernels.linear(v, lin.kernel_weight(), li, K_DIMS[lin.name], out_tail).astype(v.dtype)
+        return cpu_kernels.linear(v, lin.kernel_weight(), li, K_DIMS[lin.name], out_tail, live).astype(v.dtype)
     if path == "blas":
         return cpu_kernels.blas_linear(v, lin.weight[...], li, K_DIMS[lin.name]).astype(v.dtype)
     return linear(v, lin.xla_weight(), SPECS[lin.name])
@@ -251,8 +253,13 @@ class CausalLM(nnx.Module):
         lora_mask = (lora_terms.token_mask(lora[1], *bank["down_a"].shape[-2:], x.dtype)   # [T, S*R]
                      if lora is not None else None)
 
+        # the step's real tokens (padding tokens come last): the CPU kernel computes only those
+        # rows, so a bucket's padding costs little. 'small' model, a 128-token prompt beside 4
+        # streams (132 tokens in the 160 bucket), 2-vCPU AMX Xeon: 90.9 -> 80.3 ms a step
+        live = inp.cu_q_lens[inp.num_rows[0]]
+
         def mm(lin: Linear, li, v, out_tail) -> jax.Array:
-            return matmul(cfg, lin, li, v, out_tail, M)
+            return matmul(cfg, lin, li, v, out_tail, M, live)
 
         def plus_lora(lb: Optional[Bank], y, term: Callable[[Bank], jax.Array]):
             """y [1, T, ...] plus its LoRA term (term(this layer's bank slice): [T, ...])."""

@@ -45,6 +45,33 @@ def test_gemm_matches_numpy(M, K_, N, L):
         np.testing.assert_allclose(K.reference_gemm(x, np.asarray(packed), li, N), want, rtol=1e-6, atol=1e-5)
 
 
+def test_gemm_live_rows_compute_the_real_tokens_and_zero_the_padding():
+    """`rows` (a ragged step's real tokens): the first rows equal the full product, the padding
+    rows come out zero whatever x holds there (NaN included), for all four weight layouts."""
+    from jax_engine.models.llama_weights import quantize_int8
+
+    rng = np.random.default_rng(21)
+    L, K_, N, M = 2, 96, 130, 20
+    w = rng.standard_normal((L, K_, N), dtype=np.float32)
+    q, s = (np.stack(a) for a in zip(*(quantize_int8(w[i], (0,)) for i in range(L))))
+    layouts = {"float32": (K.pack(jnp.asarray(w), 1, stacked=True), jnp.float32),
+               "int8": (K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True), jnp.float32),
+               "bfloat16": (K.pack(jnp.asarray(w).astype(jnp.bfloat16), 1, stacked=True), jnp.bfloat16),
+               "int8 pairs": (K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True, pairs=True),
+                              jnp.bfloat16)}
+    x = rng.standard_normal((M, K_), dtype=np.float32)
+    for name, (packed, dt) in layouts.items():
+        f = jax.jit(lambda x, w, r: K.gemm(x, w, 1, N, r))
+        full = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, 1, N))(jnp.asarray(x, dt), packed))
+        for live in (0, 1, 7, 19, M, M + 5):
+            xp = x.copy()
+            xp[min(live, M):] = np.nan
+            got = np.asarray(f(jnp.asarray(xp, dt), packed, jnp.int32(live)))
+            r = min(live, M)
+            np.testing.assert_array_equal(got[:r], full[:r], err_msg=name)
+            assert (got[r:] == 0).all(), (name, live)
+
+
 def test_int8_gemm_matches_numpy():
     from jax_engine.models.llama_weights import quantize_int8
 
