@@ -50,6 +50,8 @@ JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "spec_decode": ("spec_decode", [], [], "spec_decode", "spec_decode"),
     "spec_decode_small": ("spec_decode", ["--model", "small"], ["--model", "small"], "spec_decode_small_quick",
                           "spec_decode_small"),
+    "spec_decode_bf16": ("spec_decode", ["--dtype", "bfloat16"], ["--dtype", "bfloat16"], "spec_decode_bf16_quick",
+                         "spec_decode_bf16"),
     "moe_vs_hf": ("moe_vs_hf", [], [], "moe_vs_hf", "moe_vs_hf"),
     "moe_dispatch": ("moe_dispatch", [], [], "moe_dispatch", "moe_dispatch"),
     "profile_decode": ("profile_decode", [], [], "profile_decode", "profile_decode"),
@@ -335,7 +337,12 @@ def sec_llamacpp(g: dict) -> list[str]:
                          f"{gm.get('first_token_equal', '–')} of {gm.get('sequences', '–')} first tokens | "
                          f"{b.get('clean_rounds')} of {b.get('rounds')} |")
     for dtype, why in (lc.get("failed") or {}).items():
-        lines.append(f"\n{dtype}: no llama.cpp columns, its peer process failed on this host ({why}).")
+        if (lc.get("models") or {}).get(dtype, {}).get("extra_bufts") is False:
+            lines.append(f"\n{dtype}: llama.cpp's peer process crashed on this host with its default CPU weight "
+                         f"layouts ({why.split(' (retried')[0]}); its columns are llama.cpp with its extra buffer "
+                         "types (repacked / AMX layouts) off, as `--no-extra-bufts`.")
+        else:
+            lines.append(f"\n{dtype}: no llama.cpp columns, its peer process failed on this host ({why}).")
     return lines
 
 
@@ -717,7 +724,8 @@ def section(quick: bool) -> str:
     for job, render in (("start_time", sec_start_time), ("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate),
                         ("serve_load", sec_serve), ("ragged_step", sec_ragged_step), ("grammar_mask", sec_grammar_mask),
                         ("constrained_decode", sec_constrained_decode), ("lora_decode", sec_lora_decode),
-                        ("spec_decode", sec_spec_decode), ("spec_decode_small", sec_spec_decode_small),
+                        ("spec_decode", sec_spec_decode), ("spec_decode_bf16", sec_spec_decode),
+                        ("spec_decode_small", sec_spec_decode_small),
                         ("moe_vs_hf", sec_moe_vs_hf), ("moe_dispatch", sec_moe_dispatch),
                         ("parity", sec_parity), ("tests", sec_tests)):
         if docs[job]:

@@ -437,11 +437,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ltype = G.llama_type(dtype, half=a.llamacpp_half) if llama else None
         row_llama = llama
         if llama:
+            old_pid = llama.pid
             llama, ok = load_llamacpp_row(llama, dtype, path, ltype, run, cfg["vocab_size"], llama_loaded, llama_failed)
-            if not ok:
+            if llama.pid != old_pid:          # a restarted peer (for this row's retry, or for the next rows)
                 pids[1:] = [llama.pid]
                 peer.window_pids = llama.window_pids = total.pids = pids
-                row_llama = None
+            row_llama = llama if ok else None
         raw[dtype] = measure_row(path, dtype, peer, run, cfg["vocab_size"],
                                  sampled_into=sampled if dtype == "float32" and not a.no_sampled else None,
                                  llama=row_llama, llama_type=ltype if row_llama else None)
@@ -500,29 +501,41 @@ def start_llamacpp(run: dict) -> tuple[Peer | None, str | None]:
     return Peer(module="benchmarks.llamacpp_peer"), None
 
 
-def load_llamacpp_model(llama: Peer, path: str, gguf_type: str, run: dict, vocab: int) -> dict:
+def load_llamacpp_model(llama: Peer, path: str, gguf_type: str, run: dict, vocab: int,
+                        extra_bufts: bool = True) -> dict:
     """Convert (once) and load this row's GGUF in the llama.cpp peer; warm every batch size."""
     gguf = G.ensure_gguf(path, gguf_type)
-    C.log(f"loading llama.cpp ({gguf_type}) in its peer process ...")
+    C.log(f"loading llama.cpp ({gguf_type}{'' if extra_bufts else ', extra buffer types off'}) in its peer process ...")
     info = llama.call("load", path=gguf, batches=run["batches"], prompt_len=run["prompt_len"],
-                      new_tokens=run["new_tokens"])
+                      new_tokens=run["new_tokens"], extra_bufts=extra_bufts)
     for B in run["batches"]:
         llama.call("generate", prompts=make_prompts(B, run["prompt_len"], vocab, 999), new_tokens=4)
-    return {**info, "gguf_type": gguf_type}
+    return {**info, "gguf_type": gguf_type, "extra_bufts": extra_bufts}
 
 
 def load_llamacpp_row(llama: Peer, dtype: str, path: str, gguf_type: str, run: dict, vocab: int, loaded: dict,
                       failed: dict, restart=start_llamacpp) -> tuple[Peer, bool]:
     """Load engine row `dtype`'s GGUF into the llama.cpp peer (into `loaded`). A peer that crashes
-    on one GGUF type (seen: SIGSEGV in llama.cpp's Q8_0 warm-up on an AMX Xeon) costs that row its
-    llama.cpp columns, not the whole run: the reason goes into `failed` and a fresh peer is started
-    for the later rows. Returns (the peer to use from now on, whether this row has llama.cpp)."""
+    on one GGUF type (seen: SIGSEGV in llama.cpp's Q8_0 warm-up on an AMX Xeon, in its repacked /
+    AMX weight path) is restarted and tried once more with llama.cpp's extra buffer types off
+    (what its users do there: `--no-extra-bufts`); the first failure is kept in `failed` as
+    "... (retried ...)". Only when that fails too does the row lose its llama.cpp columns, not the
+    whole run. Returns (the peer to use from now on, whether this row has llama.cpp)."""
     try:
         loaded[dtype] = load_llamacpp_model(llama, path, gguf_type, run, vocab)
         return llama, True
     except PeerError as e:
-        C.log(f"llama.cpp failed on {gguf_type}: {e}; this row has no llama.cpp columns")
-        failed[dtype] = f"{gguf_type}: {e}"
+        first = f"{gguf_type}: {e}"
+        C.log(f"llama.cpp failed on {gguf_type}: {e}; retrying with its extra buffer types off")
+        llama.close()
+    llama = restart(run)[0]
+    try:
+        loaded[dtype] = load_llamacpp_model(llama, path, gguf_type, run, vocab, extra_bufts=False)
+        failed[dtype] = f"{first} (retried with extra buffer types off: measured so)"
+        return llama, True
+    except PeerError as e:
+        C.log(f"llama.cpp failed on {gguf_type} again: {e}; this row has no llama.cpp columns")
+        failed[dtype] = f"{first}; with extra buffer types off: {e}"
         llama.close()
         return restart(run)[0], False
 
@@ -713,6 +726,15 @@ def merge_into_previous(doc: dict, quick: bool) -> dict:
     if doc.get("sampled"):
         old.setdefault("sampled", {}).update(doc["sampled"])
     old["process_isolation"] = doc.get("process_isolation")
+    # the llama.cpp peer's per-row facts (GGUF file, how it was loaded, why it failed) follow the rows
+    lc_new, lc_old = doc["setup"].get("llamacpp") or {}, old["setup"].setdefault("llamacpp", {})
+    for key in ("types", "models"):
+        lc_old.setdefault(key, {}).update(lc_new.get(key) or {})
+    failed = {d: why for d, why in (lc_old.get("failed") or {}).items() if d not in doc["rows"]}
+    failed.update(lc_new.get("failed") or {})
+    lc_old.pop("failed", None)
+    if failed:
+        lc_old["failed"] = failed
     return old
 
 

@@ -72,14 +72,19 @@ class LlamaCppWorker:
         return C.isolation_report(BLOCKED)
 
     # ---------------------------------------------------------------- model
-    def cmd_load(self, path: str, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
-        """Load a GGUF file and make one context per batch size (the previous model is freed)."""
+    def cmd_load(self, path: str, batches: list[int], prompt_len: int, new_tokens: int,
+                 extra_bufts: bool = True) -> dict:
+        """Load a GGUF file and make one context per batch size (the previous model is freed).
+        extra_bufts=False turns off llama.cpp's extra CPU buffer types (the repacked and AMX weight
+        layouts), as `--no-extra-bufts` / `--no-repack` users do where that path fails."""
         import llama_cpp as L
 
         self.cmd_unload()
         t0 = time.perf_counter()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
+        if not extra_bufts:
+            mp.use_extra_bufts = False
         model = L.llama_model_load_from_file(path.encode(), mp)
         if not model:
             raise RuntimeError(f"llama_model_load_from_file failed for {path}")

@@ -186,13 +186,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=None, help="answer length (default 128; quick 48)")
     ap.add_argument("--model", choices=["trained", "small"], default="trained",
                     help="small: the repeat workload on the random 'small' Llama (off and suffix only)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the engines' dtype (bfloat16 writes spec_decode_bf16.json: where the CPU has AMX, "
+                         "verifying K guesses per row costs far less than in float32)")
     C.add_round_args(ap)
     a = ap.parse_args(argv)
     rounds = a.rounds or (1 if a.quick else 3)
     small = a.model == "small"
     new_tokens = a.new_tokens or (48 if a.quick else (64 if small else 128))
     batches = [int(b) for b in a.batches.split(",")]
-    name = NAME + ("_small" if small else "")
+    name = NAME + ("_small" if small else "") + ("_bf16" if a.dtype == "bfloat16" else "")
     doc = C.header(name, a.quick, argv if argv is not None else sys.argv[1:])
     C.engine_process()
     from benchmarks import train_tiny as TT
@@ -214,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     for side in sides:
         engines[side], build_s[side] = C.build_engine(
             [ModelSpec(name="m", path=path)], speculative=side, num_speculative_tokens=a.k,
-            max_running_requests=8, max_model_len=512)
-    doc["setup"] = {"k": a.k, "sides": list(sides), "workloads": list(workloads),
+            max_running_requests=8, max_model_len=512, dtype=a.dtype)
+    doc["setup"] = {"k": a.k, "dtype": a.dtype, "sides": list(sides), "workloads": list(workloads),
                     "rounds": rounds, "new_tokens": new_tokens, "batches": batches,
                     "prompt_bytes": PROMPT_BYTES, "copy_span": COPY_SPAN, "copy_cue": COPY_CUE,
                     "max_running_requests": 8, "token_budget": engines["off"].stats("m").max_num_batched_tokens,
@@ -273,19 +276,21 @@ def main(argv: list[str] | None = None) -> dict:
     doc["targets"]["compilations_after_warmup"] = C.target(
         max(c["engine_after_warmup"] for c in doc["compilations"].values()), 0, higher_is_better=False)
     if not a.no_plot and not small:
-        plots(doc, a.quick)
+        plots(doc, a.quick, name)
     for e in engines.values():
         e.shutdown(timeout=5.0)
     return C.finish(doc, name, a.quick)
 
 
-def plots(doc: dict, quick: bool) -> None:
+def plots(doc: dict, quick: bool, name: str = NAME) -> None:
     labels = list(doc["summary"])
     note = C.host_line(doc.get("machine"))
-    C.bar_plot(C.result_path(NAME, quick, "png"), f"Speculative decoding: tok/s over --speculative off (K {doc['setup']['k']})",
+    dt = doc["setup"].get("dtype", "float32")
+    C.bar_plot(C.result_path(name, quick, "png"),
+               f"Speculative decoding: tok/s over --speculative off (K {doc['setup']['k']}, {dt})",
                labels, {side: [doc["summary"][lb]["speedup"].get(side) for lb in labels] for side in ("ngram", "suffix")},
                "speed-up (x)", note)
-    C.bar_plot(C.result_path(NAME + "_accept", quick, "png"), "Accept length (tokens per verifying row-step)",
+    C.bar_plot(C.result_path(name + "_accept", quick, "png"), f"Accept length (tokens per verifying row-step, {dt})",
                labels, {side: [doc["summary"][lb]["accept_length"].get(side) for lb in labels] for side in ("ngram", "suffix")},
                "tokens", note)
 
@@ -320,8 +325,10 @@ def render(d: dict, quick: bool) -> list[str]:
     """README lines for benchmarks/results/spec_decode.json."""
     st = d.get("setup") or {}
     m = d.get("model") or {}
-    lines = [f"### Speculative decoding: off vs ngram vs suffix on the trained model, in-process ({C.cpu_line(d)})", "",
-             C.source_line(NAME, quick, d), "",
+    dt = st.get("dtype", "float32")
+    name = NAME + ("_bf16" if dt == "bfloat16" else "")
+    lines = [f"### Speculative decoding: off vs ngram vs suffix on the trained model, {dt}, in-process "
+             f"({C.cpu_line(d)})", "", C.source_line(name, quick, d), "",
              f"The model of `benchmarks/train_tiny.py` ({m.get('params', '?')} parameters, byte-level, trained here on the "
              f"Python standard library; held-out loss {m.get('heldout_loss_nats_per_byte', '?')} nats/byte). Three "
              f"in-process engines (`--speculative off`, `ngram`, `suffix`; K = {st.get('k')} guesses per row at most, the "
@@ -355,7 +362,7 @@ def render(d: dict, quick: bool) -> list[str]:
     if sample:
         lines += ["", f"A sample of the model (greedy, from `benchmarks/results/train_tiny.json`): prompt "
                       f"`{sample.get('prompt', '')!r}` →", "", "```", (sample.get("greedy_continuation") or "")[:200], "```"]
-    for png in (NAME, NAME + "_accept"):
+    for png in (name, name + "_accept"):
         p = C.result_path(png, quick, "png")
         if os.path.isfile(p):
             lines += ["", f"![{png}]({C.rel(p)})"]

@@ -43,10 +43,12 @@ models compiles 16 programs, not 25.
 Why the step has a second, small LM head: a token bucket's sample rows are min(T, max_running),
 but a step that is mostly one prompt samples a handful. When every real sample row fits in
 `few_samples` (min(8, max_running / 4); real rows come first, padding rows name the dummy slot),
-a lax.cond runs the LM head, penalties and draw over those rows only. 'small' model, 32 running
-slots, 2-vCPU AMX Xeon: a 128-token prompt beside 4 decoding streams (the 160 bucket) 95.0 ->
-89.8 ms, two 128-token prompts (256) 143.8 -> 138.7 ms; the 32000 x 768 head alone is 7 ms at
-32 rows. The step program compiles both branches; full steps run the full one as before.
+a lax.cond runs the LM head over those rows only; penalties, mask and draw still run over all S
+rows (the padding rows' logits are zeros). 'small' model, 32 running slots, 2-vCPU AMX Xeon: a
+128-token prompt beside 4 decoding streams (the 160 bucket) 95.0 -> 90.9 ms, two 128-token
+prompts (256) 143.8 -> 141.9 ms; the 32000 x 768 head alone is 7 ms at 32 rows. Putting the
+whole tail (draw included) in the cond saved 1 ms more but compiled every tail twice: the cold
+start of the default models went 40.9 -> 48.7 s; with the head alone 36.3 s.
 P has one bucket (the model's whole span) unless the attention backend's cost grows with the
 page table's width (the reference's gather: `page_buckets`), so on CPU the demo generator (token
 budget 64, burst budget 256, latency guard on: token buckets 1 .. 64, 80 .. 256 four per octave)

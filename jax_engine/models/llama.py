@@ -356,7 +356,8 @@ class StepInputs:
     kv_limit: jax.Array      # [T] int32 keys visible to each token (position + 1; 0 for padding)
     page_table: jax.Array    # [R, P] int32 each row's pages in position order
     kv_lens: jax.Array       # [R] int32 valid keys of each row after this step (0 for padding rows)
-    cu_q_lens: jax.Array     # [R + 1] int32 where each row's tokens start in the flat list
+    cu_q_lens: jax.Array     # [R + 1] int32 where each row's tokens start in the flat list; [num_rows]
+    #                          is the real token count (the CPU GEMM computes only those rows)
     num_rows: jax.Array      # [1] int32 real rows
 
 

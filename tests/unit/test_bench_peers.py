@@ -183,33 +183,45 @@ def test_readme_renders_llamacpp_rows_with_type_and_ratio():
     assert "bfloat16+int8: no llama.cpp columns, its peer process failed on this host (Q8_0: peer worker exited with -11" in text
 
 
-def test_a_crashing_llamacpp_peer_costs_only_its_row(monkeypatch):
-    """generate_vs_hf: a llama.cpp peer that dies loading one GGUF type is recorded and replaced;
-    the row goes on without llama.cpp columns and later rows get the fresh peer."""
+def test_a_crashing_llamacpp_peer_is_retried_without_extra_buffer_types_then_costs_only_its_row(monkeypatch):
+    """generate_vs_hf: a llama.cpp peer that dies loading one GGUF type is replaced and tried once
+    more with llama.cpp's extra buffer types off; if that works the row keeps its columns (and says
+    how it was measured), if not the row goes on without them and later rows get a fresh peer."""
     from benchmarks import generate_vs_hf as GV
     from benchmarks.peer_worker import PeerError
 
     class FakePeer:
-        def __init__(self, crash):
-            self.crash, self.closed, self.pid = crash, False, id(self)
+        def __init__(self, crash_with_extra, crash_without=False):
+            self.crash = {True: crash_with_extra, False: crash_without}
+            self.extra, self.closed, self.pid = True, False, id(self)
 
         def call(self, cmd, **kw):
-            if self.crash and cmd == "generate":
+            if cmd == "load":
+                self.extra = kw.get("extra_bufts", True)
+                return {"params": 1, "contexts": {}}
+            if cmd == "generate" and self.crash[self.extra]:
                 raise PeerError("llama.cpp worker exited with -11 during 'generate'")
-            return {"params": 1, "contexts": {}} if cmd == "load" else {}
+            return {}
 
         def close(self):
             self.closed = True
 
     monkeypatch.setattr(GV.G, "ensure_gguf", lambda path, t: f"{path}/{t}.gguf")
     run = {"batches": [1], "prompt_len": 4, "new_tokens": 2}
-    loaded, failed, fresh = {}, {}, FakePeer(crash=False)
-    crashing = FakePeer(crash=True)
-    peer, ok = GV.load_llamacpp_row(crashing, "int8", "/m", "Q8_0", run, 32, loaded, failed, restart=lambda r: (fresh, None))
-    assert not ok and peer is fresh and crashing.closed and "int8" not in loaded
-    assert failed == {"int8": "Q8_0: llama.cpp worker exited with -11 during 'generate'"}
+    # the AMX Xeon's case: default layouts crash, extra buffer types off works
+    loaded, failed = {}, {}
+    crashing, retry = FakePeer(crash_with_extra=True), FakePeer(crash_with_extra=True)
+    peer, ok = GV.load_llamacpp_row(crashing, "int8", "/m", "Q8_0", run, 32, loaded, failed, restart=lambda r: (retry, None))
+    assert ok and peer is retry and crashing.closed and loaded["int8"]["extra_bufts"] is False
+    assert failed["int8"].startswith("Q8_0: llama.cpp worker exited with -11") and "retried" in failed["int8"]
+    # crashing either way: no columns for this row, a fresh peer for the next
+    loaded, failed = {}, {}
+    peers = iter([FakePeer(True, True), FakePeer(False)])
+    peer, ok = GV.load_llamacpp_row(FakePeer(True, True), "int8", "/m", "Q8_0", run, 32, loaded, failed,
+                                    restart=lambda r: (next(peers), None))
+    assert not ok and "int8" not in loaded and "with extra buffer types off" in failed["int8"]
     peer, ok = GV.load_llamacpp_row(peer, "float32", "/m", "F32", run, 32, loaded, failed)
-    assert ok and peer is fresh and loaded["float32"]["gguf_type"] == "F32"
+    assert ok and loaded["float32"]["gguf_type"] == "F32" and loaded["float32"]["extra_bufts"] is True
 
 
 def _embed_doc(with_ort: bool) -> dict:
