@@ -50,8 +50,6 @@ JOBS: dict[str, tuple[str, list[str], list[str], str, str]] = {
     "spec_decode": ("spec_decode", [], [], "spec_decode", "spec_decode"),
     "spec_decode_small": ("spec_decode", ["--model", "small"], ["--model", "small"], "spec_decode_small_quick",
                           "spec_decode_small"),
-    "spec_decode_bf16": ("spec_decode", ["--dtype", "bfloat16"], ["--dtype", "bfloat16"], "spec_decode_bf16_quick",
-                         "spec_decode_bf16"),
     "moe_vs_hf": ("moe_vs_hf", [], [], "moe_vs_hf", "moe_vs_hf"),
     "moe_dispatch": ("moe_dispatch", [], [], "moe_dispatch", "moe_dispatch"),
     "profile_decode": ("profile_decode", [], [], "profile_decode", "profile_decode"),
@@ -724,8 +722,7 @@ def section(quick: bool) -> str:
     for job, render in (("start_time", sec_start_time), ("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate),
                         ("serve_load", sec_serve), ("ragged_step", sec_ragged_step), ("grammar_mask", sec_grammar_mask),
                         ("constrained_decode", sec_constrained_decode), ("lora_decode", sec_lora_decode),
-                        ("spec_decode", sec_spec_decode), ("spec_decode_bf16", sec_spec_decode),
-                        ("spec_decode_small", sec_spec_decode_small),
+                        ("spec_decode", sec_spec_decode), ("spec_decode_small", sec_spec_decode_small),
                         ("moe_vs_hf", sec_moe_vs_hf), ("moe_dispatch", sec_moe_dispatch),
                         ("parity", sec_parity), ("tests", sec_tests)):
         if docs[job]:
