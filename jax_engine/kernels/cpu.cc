@@ -257,8 +257,6 @@ void for_each_panel(ffi::ThreadPool& pool, int64_t M, int64_t P, int64_t N, floa
   });
 }
 
-// x [M, K]; w [L, P, K, 64] (P panels of 64 columns, the last zero-padded); layer [] int32;
-// y [M, N] with 64 (P - 1) < N <= 64 P; int8 weights also take scale [L, 64 P] per column.
 // The rows of x to compute: all M, or with a two-element layer operand [layer, rows] the first
 // `rows` (a ragged step's real tokens; the token bucket pads the rest), the rest of y zeroed so
 // padding tokens stay finite (zeros) wherever they flow. Why: the guard's steps are one prompt
@@ -271,6 +269,9 @@ inline int64_t live_rows(const ffi::Buffer<ffi::S32>& layer, int64_t M, float* y
   return r;
 }
 
+// x [M, K]; w [L, P, K, 64] (P panels of 64 columns, the last zero-padded); layer [] int32, or
+// [2] int32 = [layer, rows] (live_rows); y [M, N] with 64 (P - 1) < N <= 64 P; int8 weights also
+// take scale [L, 64 P] per column.
 template <typename W>
 ffi::Error gemm(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* sp, int64_t M, int64_t K,
                 int64_t L, int64_t P, int64_t N, int64_t li, float* yp) {
