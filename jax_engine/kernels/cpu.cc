@@ -133,18 +133,25 @@ inline int64_t row_chunk(int64_t M, int64_t P, int64_t threads) {
   return std::max<int64_t>(6, mc);
 }
 
+// Calls f with a register tile's row count (1..6, from `rows`) as a compile-time constant
+// (std::integral_constant): the one dispatch of both micro-kernel families.
+template <typename F>
+__attribute__((always_inline)) inline void with_rows(int64_t rows, F f) {
+  switch (rows) {
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 // The micro-kernel for 1..6 rows (the register tile's row count is a template parameter).
 template <typename W>
 inline void micro_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
                        int64_t kn, bool first, const W* pf = nullptr) {
-  switch (rows) {
-    case 6: micro<6, W>(x, panel, y, K, ldy, m0, kn, first, pf); break;
-    case 5: micro<5, W>(x, panel, y, K, ldy, m0, kn, first, pf); break;
-    case 4: micro<4, W>(x, panel, y, K, ldy, m0, kn, first, pf); break;
-    case 3: micro<3, W>(x, panel, y, K, ldy, m0, kn, first, pf); break;
-    case 2: micro<2, W>(x, panel, y, K, ldy, m0, kn, first, pf); break;
-    default: micro<1, W>(x, panel, y, K, ldy, m0, kn, first, pf); break;
-  }
+  with_rows(rows, [&](auto r) { micro<decltype(r)::value, W>(x, panel, y, K, ldy, m0, kn, first, pf); });
 }
 
 // out[m, c] *= scale[c] for the M rows of one 64-column panel (int8 weights' per-column scale;
@@ -414,14 +421,7 @@ inline void micro_pairs(const uint32_t* x, int64_t K2, const W* panel, float* y,
 template <typename W>
 inline void micro_pairs_rows(int64_t rows, const uint32_t* x, int64_t K2, const W* panel, float* y,
                              int64_t ldy, int64_t m0, int64_t kn2, bool first, const W* pf = nullptr) {
-  switch (rows) {
-    case 6: micro_pairs<6, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
-    case 5: micro_pairs<5, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
-    case 4: micro_pairs<4, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
-    case 3: micro_pairs<3, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
-    case 2: micro_pairs<2, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
-    default: micro_pairs<1, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); break;
-  }
+  with_rows(rows, [&](auto r) { micro_pairs<decltype(r)::value, W>(x, K2, panel, y, ldy, m0, kn2, first, pf); });
 }
 
 // AMX (Sapphire Rapids and later Xeons): one TDPBF16PS multiplies a 16 x 32 bfloat16 tile of x by
