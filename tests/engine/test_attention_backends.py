@@ -41,7 +41,8 @@ from jax_engine.attention.reference import Reference
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.errors import InvalidRequest
 from jax_engine.kernels import cpu as cpu_kernels
-from jax_engine.models.llama import LlamaConfig, StepInputs
+from jax_engine.models.llama import StepInputs
+from tests.helpers.tiny_llama import tiny_llama
 
 PS, NPAGES, KVH, G, D, L = 16, 12, 2, 2, 16, 2
 
@@ -254,19 +255,7 @@ def _page(be, kc, vc, p):
 
 # ----------------------------------------------------------------------------- through the model
 def tiny_model(seed: int = 0, window=None):
-    rng = np.random.default_rng(seed)
-    H, I, V = 32, 64, 97
-    cfg = LlamaConfig(architecture="LlamaForCausalLM", model_type="llama", vocab_size=V, hidden_size=H,
-                      intermediate_size=I, num_layers=L, num_heads=KVH * G, num_kv_heads=KVH, head_dim=D,
-                      rms_eps=1e-6, max_position_embeddings=256,
-                      inv_freq=tuple(1.0 / (10000.0 ** (np.arange(0, D, 2) / D))), sliding_window=window)
-    w = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.3)  # noqa: E731
-    lay = "model.layers."
-    tensors = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": jnp.ones(H), "lm_head.weight": w(H, V),
-               lay + "input_layernorm.weight": jnp.ones((L, H)), lay + "post_attention_layernorm.weight": jnp.ones((L, H)),
-               lay + "self_attn.qkv_proj.weight": w(L, H, KVH, G + 2, D), lay + "self_attn.o_proj.weight": w(L, KVH, G, D, H),
-               lay + "mlp.gate_up_proj.weight": w(L, H, 2, I), lay + "mlp.down_proj.weight": w(L, I, H)}
-    return cfg, tensors
+    return tiny_llama(seed, L, KVH, G, D, window=window)
 
 
 def test_forward_ragged_steps_gpu_interpret_matches_reference():

@@ -1,6 +1,6 @@
 """The step program's small sample branch (runner.FEW_SAMPLES): a step whose real sample rows fit
-in `few_samples` runs the LM head and the draw over those rows only. Its tokens, logprobs and
-penalty counts must equal the full branch's, which the same rows take when more rows sample."""
+in `few_samples` runs the LM head over those rows only. Its tokens, logprobs and penalty counts
+must equal the full branch's, which the same rows take when more rows sample."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -9,23 +9,13 @@ import numpy as np
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
 from jax_engine.decode.runner import ModelRunner, RunnerConfig
 from jax_engine.models import decoder
-from jax_engine.models.llama import LlamaConfig
+from tests.helpers.tiny_llama import tiny_llama
 
 PS, L, KVH, G, D, H, I, V = 16, 2, 2, 2, 16, 32, 64, 97
 
 
 def tiny_runner() -> ModelRunner:
-    rng = np.random.default_rng(5)
-    cfg = LlamaConfig(architecture="LlamaForCausalLM", model_type="llama", vocab_size=V, hidden_size=H,
-                      intermediate_size=I, num_layers=L, num_heads=KVH * G, num_kv_heads=KVH, head_dim=D,
-                      rms_eps=1e-6, max_position_embeddings=256,
-                      inv_freq=tuple(1.0 / (10000.0 ** (np.arange(0, D, 2) / D))))
-    w = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.3)  # noqa: E731
-    lay = "model.layers."
-    tensors = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": jnp.ones(H), "lm_head.weight": w(H, V),
-               lay + "input_layernorm.weight": jnp.ones((L, H)), lay + "post_attention_layernorm.weight": jnp.ones((L, H)),
-               lay + "self_attn.qkv_proj.weight": w(L, H, KVH, G + 2, D), lay + "self_attn.o_proj.weight": w(L, KVH, G, D, H),
-               lay + "mlp.gate_up_proj.weight": w(L, H, 2, I), lay + "mlp.down_proj.weight": w(L, I, H)}
+    cfg, tensors = tiny_llama(5, L, KVH, G, D, H, I, V)
     rc = RunnerConfig(page_size=PS, num_pages=24, max_running=8, max_batched_tokens=32, max_model_len=64, max_n=1,
                       top_n=2)
     return ModelRunner(cfg, decoder.build(cfg, tensors), rc, None, jnp.float32)
