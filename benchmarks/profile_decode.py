@@ -87,14 +87,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=None, help="calls per measurement (default 50; quick 10)")
     ap.add_argument("--context", type=int, default=None, help="tokens in the KV cache (default 192; quick 80)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | int8 (float32 + int8 weights)")
-    ap.add_argument("--batch", type=int, default=1, help="decode rows (default 1; at most 16, quick 4)")
+    ap.add_argument("--batch", type=int, default=1, help="decode rows (default 1; quick at most 4)")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     C.engine_process()
     quick = a.quick
     iters = a.iters or (10 if quick else 50)
     model = "tiny" if quick else "small"
     ctx = a.context or (80 if quick else 192)
-    max_running, max_model_len = (4, 128) if quick else (16, 512)
+    max_running, max_model_len = (4, 128) if quick else (max(16, a.batch), 512)
 
     import jax
     import jax.numpy as jnp

@@ -19,6 +19,8 @@ class SamplingRow:
     steps: int = 0                      # tokens generated so far (advances the random stream)
     bias: list = field(default_factory=list)   # [(token id, logit bias)]
     ban: list = field(default_factory=list)    # token ids banned until min_new_tokens
+    logprobs: bool = True               # whether the step computes its logprob and top-N (False:
+                                        # zeros, when no row of the step asks: runner's step)
 
 
 @dataclass

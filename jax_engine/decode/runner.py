@@ -49,6 +49,10 @@ rows (the padding rows' logits are zeros). 'small' model, 32 running slots, 2-vC
 prompts (256) 143.8 -> 141.9 ms; the 32000 x 768 head alone is 7 ms at 32 rows. Putting the
 whole tail (draw included) in the cond saved 1 ms more but compiled every tail twice: the cold
 start of the default models went 40.9 -> 48.7 s; with the head alone 36.3 s.
+Why logprobs sit behind a lax.cond too (on "a sample row asks": SamplingRow.logprobs, False for
+padding rows): most requests want none, and the log-softmax and top-N over the vocabulary were
+~5 % of a 32-row decode step ('small' model: 1.7 ms of 42, before sampling.logprobs_of's two-level
+form made them 0.7 ms); the false branch is zeros.
 P has one bucket (the model's whole span) unless the attention backend's cost grows with the
 page table's width (the reference's gather: `page_buckets`), so on CPU the demo generator (token
 budget 64, burst budget 256, latency guard on: token buckets 1 .. 64, 80 .. 256 four per octave)
@@ -349,7 +353,11 @@ class ModelRunner:
                 tok, acc = jax.lax.cond(all_greedy, lambda x: sampling.verify(x, sa, spec.draft, greedy_only=True),
                                         lambda x: sampling.verify(x, sa, spec.draft, greedy_only=False), logits)
                 inc = sampling.emitted(acc, spec.draft, spec.group_start).astype(jnp.int32)
-            chosen, top_v, top_i = sampling.logprobs_of(raw, tok, top_n)
+            # logprobs only when a row of the step asks for them (module docstring)
+            chosen, top_v, top_i = jax.lax.cond(
+                jnp.any(sa.logprobs), lambda r, t: sampling.logprobs_of(r, t, top_n),
+                lambda r, t: (jnp.zeros(S, jnp.float32), jnp.zeros((S, top_n), jnp.float32),
+                              jnp.zeros((S, top_n), jnp.int32)), raw, tok)
             counts = state["counts"].at[slot_ids, tok].add(inc)
             bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
             # one [S, 3 + 2N] int32 array (one device-to-host copy instead of five):

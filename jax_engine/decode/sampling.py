@@ -42,6 +42,7 @@ class SamplingArrays:
     ban_on: jax.Array        # [R, NBAN] bool
     seeds: jax.Array         # [R, 2] u32: the 64-bit seed as a raw threefry key (hi, lo)
     steps: jax.Array         # [R] i32 tokens generated so far
+    logprobs: jax.Array      # [R] bool the row's logprob / top-N are wanted (padding rows: False)
 
 
 @dataclass
@@ -60,7 +61,7 @@ jax.tree_util.register_dataclass(SpecArrays, data_fields=["draft", "group_start"
 jax.tree_util.register_dataclass(
     SamplingArrays,
     data_fields=["temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen",
-                 "bias_ids", "bias_vals", "ban_ids", "ban_on", "seeds", "steps"],
+                 "bias_ids", "bias_vals", "ban_ids", "ban_on", "seeds", "steps", "logprobs"],
     meta_fields=[],
 )
 
@@ -100,12 +101,28 @@ PREFILTER_K = 64
 BLOCK = 128
 
 
+def _first_max(x: jax.Array) -> jax.Array:
+    """Index of the first maximum along the last axis: max, then the least index holding it.
+    XLA:CPU's variadic argmax reduce is ~20x slower than a plain max (7.8 ms vs 0.37 ms over
+    16 x 151,936 floats)."""
+    V = x.shape[-1]
+    m = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == m, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)
+
+
 def greedy(logits: jax.Array) -> jax.Array:
-    """The first maximum per row. XLA:CPU's variadic argmax reduce is ~20x slower than a plain max
-    (7.8 ms vs 0.37 ms over 16 x 151,936 floats), so: max, then the first index holding it."""
-    V = logits.shape[-1]
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(logits == m, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)
+    """The first maximum per row, in two levels: the first block whose maximum is the row's, then
+    the first maximum inside it (BLOCK-wide blocks, the vocabulary order kept, so ties go to the
+    lower index as before). Why: the compare-and-select over the whole vocabulary ran at a fraction
+    of a plain max's speed; over block maxima and one gathered block it is two small arrays.
+    32 rows, ms, 2-vCPU AMX Xeon: V 32,000 0.78 -> 0.34; V 151,936 13.9 -> 0.9. Small
+    vocabularies (up to 4 blocks) keep the one-level form."""
+    if logits.shape[-1] <= 4 * BLOCK:
+        return _first_max(logits)
+    xb = _blocks(logits, -jnp.inf)       # below any real logit, banned ones (NEG_INF) included
+    blk = _first_max(jnp.max(xb, axis=-1))
+    inner = jnp.take_along_axis(xb, blk[:, None, None], axis=1)[:, 0]
+    return (blk * BLOCK + _first_max(inner)).astype(jnp.int32)
 
 
 def _blocks(x: jax.Array, fill: float) -> jax.Array:
@@ -296,11 +313,15 @@ def _first_true(hit: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def logprobs_of(raw_logits: jax.Array, tokens: jax.Array, top_n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(chosen logprob [R], top-N logprobs [R, N], top-N ids [R, N]) from raw logits."""
-    lp = jax.nn.log_softmax(raw_logits, axis=-1)
-    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-    top_v, top_i = jax.lax.top_k(lp, top_n)
-    return chosen, top_v, top_i.astype(jnp.int32)
+    """(chosen logprob [R], top-N logprobs [R, N], top-N ids [R, N]) from raw logits: each value
+    minus the row's logsumexp, the top N by top_candidates (the same order and ties as
+    lax.top_k). Why not log_softmax then top_k over it: that wrote a [R, V] array and ran TopK
+    over the whole vocabulary; 32 rows, ms, 2-vCPU AMX Xeon: V 32,000 1.74 -> 0.72, V 151,936
+    21.3 -> 3.9 (values within 1 ulp of log_softmax's)."""
+    lse = jax.nn.logsumexp(raw_logits, axis=-1)
+    chosen = jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1)[:, 0] - lse
+    top_v, top_i = top_candidates(raw_logits, top_n)
+    return chosen, top_v - lse[:, None], top_i
 
 
 def seed_key(seed: int) -> tuple[int, int]:
@@ -320,12 +341,12 @@ def host_arrays(rows: Sequence[Optional[SamplingRow]], R: int, num_bias: int, nu
         "pres_pen": np.zeros(R, np.float32), "bias_ids": np.zeros((R, num_bias), np.int32),
         "bias_vals": np.zeros((R, num_bias), np.float32), "ban_ids": np.zeros((R, num_ban), np.int32),
         "ban_on": np.zeros((R, num_ban), bool), "seeds": np.zeros((R, 2), np.uint32),
-        "steps": np.zeros(R, np.int32),
+        "steps": np.zeros(R, np.int32), "logprobs": np.zeros(R, bool),
     }
     for i, r in enumerate(rows):
         if r is None:
             continue
-        for k in ("temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen", "steps"):
+        for k in ("temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen", "steps", "logprobs"):
             out[k][i] = getattr(r, k)
         out["seeds"][i] = seed_key(r.seeds)
         b = r.bias

@@ -516,7 +516,7 @@ class Scheduler:
         return SamplingRow(temperature=p.temperature, top_k=p.top_k if p.top_k > 0 else 0, top_p=p.top_p,
                            min_p=p.min_p, rep_pen=p.repetition_penalty, freq_pen=p.frequency_penalty,
                            pres_pen=p.presence_penalty, seeds=s.seed, steps=n_out,
-                           bias=list(p.logit_bias.items()), ban=ban)
+                           bias=list(p.logit_bias.items()), ban=ban, logprobs=bool(p.logprobs or p.top_logprobs))
 
     def _on_tokens(self, seq: Sequence, res: StepResult, j: int, n: int) -> int:
         """Append sample rows j .. j + n - 1 of `res` to seq (n > 1: a row's accepted guesses and

@@ -95,10 +95,12 @@ __attribute__((always_inline)) inline void prefetch_row(const W* row) {
 
 // y[m0:m0+MR, tile] (+)= x[m0:m0+MR, 0:kn] @ panel[0:kn, :] (the panel: 64 columns, row-major;
 // x rows have stride K). `first` starts from zero instead of accumulating into y.
-// pf (or null): the same rows of the panel's next K chunk, prefetched into L2 as this one is read.
-template <int MR, typename W = float>
+// pf (or null): what to prefetch into L2 as this chunk is read. pf_step 0: the same rows of the
+// panel's next K chunk (row k's 64 weights at step k); otherwise PfLines cache lines from
+// pf + k pf_step at step k (do_panel's spread form).
+template <int MR, typename W = float, int PfLines = 2>
 inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
-                  int64_t kn, bool first, const W* pf = nullptr) {
+                  int64_t kn, bool first, const W* pf = nullptr, int64_t pf_step = 0) {
   v16 acc[MR][kVec];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVec; ++v) acc[m][v] = first ? v16{} : load16(y + (m0 + m) * ldy + 16 * v);
@@ -106,7 +108,11 @@ inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t l
   for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * K;
   for (int64_t k = 0; k < kn; ++k) {
     const W* row = panel + k * kTile;
-    prefetch_row<kTile>(pf ? pf + k * kTile : pf);
+    if (pf_step == 0) {
+      prefetch_row<kTile>(pf ? pf + k * kTile : pf);
+    } else if (pf != nullptr) {
+      for (int l = 0; l < PfLines; ++l) __builtin_prefetch(pf + k * pf_step + l * int64_t(64 / sizeof(W)), 0, 2);
+    }
     v16 wv[kVec];
     for (int v = 0; v < kVec; ++v) wv[v] = load_w(row + 16 * v);
     for (int m = 0; m < MR; ++m) {
@@ -121,12 +127,20 @@ inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t l
 constexpr int64_t kKc = 128;   // K rows per pass over the M blocks: 32 KiB of panel stays in L1
 constexpr int64_t kMc = 192;   // rows of x per work item when M is large (192 x 768 floats = 576 KiB, in L2)
 
-// Rows per work item: kMc when M is large; otherwise all M rows, unless the matrix has too few
-// panels to keep every thread busy (a [768 -> 320] qkv has 5: 3 + 2 on two threads), when the
-// rows are split into whole register tiles so there are about 4 items per thread. A row chunk
-// re-reads its panel (from L2: 96-192 KiB at K = 768), which costs far less than an idle core.
-inline int64_t row_chunk(int64_t M, int64_t P, int64_t threads) {
-  if (M > 2 * kMc) return kMc;
+// The float kernels' large-M row cap for K-float rows: as many rows as kMc rows of 768 floats
+// (whole register tiles). Why it follows K: with a fixed 192 rows, the 'small' model's down
+// projection (K = 2048: 1.5 MiB of x per item beside its 512 KiB panel) re-streamed x from L3
+// for every panel; 12 layers, ms, 2-vCPU AMX Xeon: M = 256 31.8 -> 29.3, M = 512 59.9 -> 55.8
+// (gate_up, K = 768, level; caps of 1 MiB or 384 KiB measured no better). The bfloat16 pair
+// kernels keep kMc: their AMX tiles ran the down projection at M = 512 8.6 -> 11.6 ms with it.
+inline int64_t float_row_cap(int64_t K) { return std::max<int64_t>(6, kMc * 768 / K / 6 * 6); }
+
+// Rows per work item: `cap` when M is over twice that; otherwise all M rows, unless the matrix
+// has too few panels to keep every thread busy (a [768 -> 320] qkv has 5: 3 + 2 on two threads),
+// when the rows are split into whole register tiles so there are about 4 items per thread. A row chunk re-reads its panel
+// (from L2: 96-192 KiB at K = 768), which costs far less than an idle core.
+inline int64_t row_chunk(int64_t M, int64_t cap, int64_t P, int64_t threads) {
+  if (M > 2 * cap) return cap;
   const int64_t want = (4 * threads + P - 1) / P;          // row chunks per panel for ~4 items per thread
   if (want <= 1 || M < 12) return M;
   const int64_t mc = ((M + want - 1) / want + 5) / 6 * 6;
@@ -150,8 +164,8 @@ __attribute__((always_inline)) inline void with_rows(int64_t rows, F f) {
 // The micro-kernel for 1..6 rows (the register tile's row count is a template parameter).
 template <typename W>
 inline void micro_rows(int64_t rows, const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
-                       int64_t kn, bool first, const W* pf = nullptr) {
-  with_rows(rows, [&](auto r) { micro<decltype(r)::value, W>(x, panel, y, K, ldy, m0, kn, first, pf); });
+                       int64_t kn, bool first, const W* pf = nullptr, int64_t pf_step = 0) {
+  with_rows(rows, [&](auto r) { micro<decltype(r)::value, W>(x, panel, y, K, ldy, m0, kn, first, pf, pf_step); });
 }
 
 // out[m, c] *= scale[c] for the M rows of one 64-column panel (int8 weights' per-column scale;
@@ -172,7 +186,8 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     const bool first = k0 == 0;
     const W* chunk = panel + k0 * kTile;
     // the panel's next K chunk, which the first block of rows prefetches (see below)
-    const W* next = M > 1 && k0 + kKc < K ? chunk + kKc * kTile : nullptr;
+    // (past the last chunk: the next panel's first, contiguous in memory)
+    const W* next = M > 1 ? chunk + kn * kTile : nullptr;
     if constexpr (!std::is_same_v<W, float>) {
       if (M <= 6) {   // one block of rows: widen int8 in registers, no buffer round trip
         micro_rows<W>(M, x + k0, chunk, out, K, ldo, 0, kn, first, next);
@@ -196,10 +211,27 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     // 19.5-20.6, 16 30.7 -> 25.3-25.5, 32 41.4-41.9 -> 34.5-35.5, 64 58.8-59.1 -> 53.0-54.8.
     // Not at M = 1 (15.7 -> 16.2-16.7 with it: one row is bandwidth-bound and the hardware
     // prefetcher alone does better), and to L2, not L1 (M = 16: 28.0 into L1, 25.4 into L2).
+    //
+    // Spread (2 to 12 blocks of rows, M = 7..72): a burst of a whole chunk's prefetches from the
+    // first block filled the core's miss queue while the FMAs waited behind it, so memory and
+    // compute ran one after the other (chain time ~ M=1 time + hot compute time). Instead the
+    // first min(blocks, 6) blocks each prefetch 2 lines per K step, interleaved (block i: lines
+    // 2i, 2i + 1, 2i + 2 b, ...), a steady stream running 1-3 chunks ahead. Layers-only chain
+    // (12 x the four matrices, 300 MB), ms p50, same host, alternating builds: M = 16 16.0 ->
+    // 14.2-14.5, 32 22.6-22.9 -> 19.2-20.4, 64 36.7 -> 32.1; M = 8 level; M = 128 and 256
+    // (compute-bound) kept the burst, spread there measured level to 6 % slower.
     const float* pf = nullptr;
     if constexpr (std::is_same_v<W, float>) pf = next;   // a widened int8 chunk is read from buf
-    for (int64_t m = 0; m < M; m += 6)
-      micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first, m == 0 ? pf : nullptr);
+    const int64_t blocks = (M + 5) / 6;
+    if (pf != nullptr && blocks >= 2 && blocks <= 12) {
+      const int64_t spread = std::min<int64_t>(blocks, 6);
+      for (int64_t m = 0, i = 0; m < M; m += 6, ++i)
+        micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first,
+                          i < spread ? pf + 32 * i : nullptr, 32 * spread);
+    } else {
+      for (int64_t m = 0; m < M; m += 6)
+        micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first, m == 0 ? pf : nullptr);
+    }
   }
   scale_columns(scale, out, ldo, M);
 }
@@ -244,13 +276,13 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, boo
 
 // y [M, N] = every (row chunk, panel) tile, each computed by tile(t, m0, rows, out, ldo) into
 // out (row stride ldo) on the calling thread and XLA's pool. Large M (prefill): rows in chunks of
-// kMc so a chunk of x stays in L2 while the panels stream past it (row_chunk); consecutive items
-// share the row chunk. The ragged last panel is computed whole into a scratch tile and N - 64 t
+// `cap` (row_chunk) so a chunk of x stays in L2 while the panels stream past it; consecutive
+// items share the row chunk. The ragged last panel is computed whole into a scratch tile and N - 64 t
 // of its columns are kept.
 template <typename Tile>
-void for_each_panel(ffi::ThreadPool& pool, int64_t M, int64_t P, int64_t N, float* yp, Tile tile) {
+void for_each_panel(ffi::ThreadPool& pool, int64_t M, int64_t cap, int64_t P, int64_t N, float* yp, Tile tile) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t mc = row_chunk(M, P, threads);
+  const int64_t mc = row_chunk(M, cap, P, threads);
   const int64_t chunks = (M + mc - 1) / mc;
   parallel_for(pool, chunks * P, std::max<int64_t>(1, P / (4 * threads)), [=](int64_t item) {
     const int64_t t = item % P, m0 = (item / P) * mc, rows = std::min(mc, M - m0);
@@ -286,7 +318,7 @@ ffi::Error gemm(ffi::ThreadPool& pool, const float* xp, const W* wp, const float
   if (M == 0) return ffi::Error::Success();
   const W* wl = wp + li * P * K * kTile;
   const float* sl = sp ? sp + li * P * kTile : nullptr;
-  for_each_panel(pool, M, P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
+  for_each_panel(pool, M, float_row_cap(K), P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
     do_panel(xp + m0 * K, wl + t * K * kTile, sl ? sl + t * kTile : nullptr, out, ldo, rows, K);
   });
   return ffi::Error::Success();
@@ -575,7 +607,7 @@ ffi::Error gemm_pairs(ffi::ThreadPool& pool, const ffi::Buffer<ffi::BF16>& x, co
   const W* wl = wp + li * P * K2 * kPairRow<W>;
   const float* sl = sp ? sp + li * P * kTile : nullptr;
   float* yp = y->typed_data();
-  for_each_panel(pool, M, P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
+  for_each_panel(pool, M, kMc, P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
     do_panel_pairs<W>(xp + m0 * K2, wl + t * K2 * kPairRow<W>, sl ? sl + t * kTile : nullptr, out, ldo, rows, K2);
   });
   return ffi::Error::Success();

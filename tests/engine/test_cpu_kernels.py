@@ -30,7 +30,8 @@ def test_kernels_build_on_this_machine():
 
 
 @pytest.mark.parametrize("M,K_,N,L", [(1, 64, 64, 1), (5, 3, 100, 2), (16, 300, 1287, 3), (33, 96, 64 * 3 + 1, 1),
-                                      (7, 1, 5, 1), (400, 20, 130, 2)])      # M > 384: row chunks
+                                      (7, 1, 5, 1), (400, 20, 130, 2),       # M > 384: row chunks
+                                      (160, 2048, 70, 1)])   # K 2048: the row cap is 72 (float_row_cap)
 def test_gemm_matches_numpy(M, K_, N, L):
     rng = np.random.default_rng(M * 1000 + N)
     w = rng.standard_normal((L, K_, N), dtype=np.float32)

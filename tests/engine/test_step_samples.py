@@ -60,3 +60,21 @@ def test_the_step_program_holds_a_two_row_lm_head_beside_the_full_one():
     key, args = r._step_args(rows)
     hlo = r.programs.get("step", key, args).as_text()
     assert f"f32[2,{V}]" in hlo and f"f32[8,{V}]" in hlo
+
+
+def test_logprobs_are_computed_only_when_a_sample_row_asks():
+    """SamplingRow.logprobs gates the step's logprob / top-N branch: a step where no row asks
+    returns zeros there (the tokens unchanged); one asking row gets what an all-asking step gives
+    (the flag is data: the same program either way)."""
+    rows = lambda want: [StepRow(list(range(3, 19)), 0, [1], [SampleRow(0, SamplingRow(logprobs=want[0]))]),  # noqa: E731
+                         StepRow(list(range(30, 38)), 0, [2], [SampleRow(1, SamplingRow(logprobs=want[1]))])]
+    outs = {}
+    for want in ((True, True), (False, False), (False, True)):
+        r = tiny_runner()
+        outs[want] = r.step(rows(want), greedy=True)
+    full, none, one = outs[True, True], outs[False, False], outs[False, True]
+    assert full.tokens[:2].tolist() == none.tokens[:2].tolist() == one.tokens[:2].tolist()
+    assert np.all(full.logprobs[:2] < 0) and np.all(full.top_values[:2] < 0)
+    assert np.all(none.logprobs[:2] == 0) and np.all(none.top_values[:2] == 0) and np.all(none.top_ids[:2] == 0)
+    np.testing.assert_array_equal(one.logprobs[:2], full.logprobs[:2])      # the step computes every row then
+    np.testing.assert_array_equal(one.top_ids[:2], full.top_ids[:2])
