@@ -3,7 +3,8 @@
 The engine owns one worker per served model: a `GenerateWorker` (scheduler thread + paged KV
 cache, jax_engine/decode/worker.py) for decoders, an `EmbedWorker` for encoders. Workers run
 on their own threads; results cross back to the asyncio loop only through
-`loop.call_soon_threadsafe`, so nothing else is shared between threads.
+`loop.call_soon_threadsafe` (generated tokens batched per loop: handoff.py), so nothing else is
+shared between threads.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, TypeVar, Union
 
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
@@ -24,6 +26,7 @@ from jax_engine.errors import (
     Unavailable,
     Unimplemented,
 )
+from jax_engine.handoff import LoopHandoff
 from jax_engine.types import (
     TOKENIZE_INLINE_CHARS,
     AdapterInfo,
@@ -94,6 +97,7 @@ class Engine:
         # in-flight requests by id -> callable(message) that ends them with an explicit error
         self._inflight: dict[int, object] = {}
         self._inflight_ids = iter(range(1, 1 << 62))
+        self._handoffs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopHandoff]" = weakref.WeakKeyDictionary()
         from jax_engine.executor.compilation import enable_persistent_cache, install_compile_listener  # heavy: jax
 
         install_compile_listener()
@@ -106,6 +110,13 @@ class Engine:
                 cpu_kernels.build_in_background()
 
     # ---------------------------------------------------------------- lifecycle
+
+    def _handoff(self, loop: asyncio.AbstractEventLoop) -> LoopHandoff:
+        """The loop's batched hand-off (one per loop; created on the loop's own thread)."""
+        h = self._handoffs.get(loop)
+        if h is None:
+            h = self._handoffs[loop] = LoopHandoff(loop)
+        return h
     def load_all(self, progress: bool = True, warmup: bool = True) -> None:
         """Load, warm up and start every model in `args.models` (blocking).
 
@@ -278,8 +289,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
+        handoff = self._handoff(loop)
+
         def sink(out: GenerateOutput) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            handoff.post(queue.put_nowait, out)
 
         grammar = None
         if req.params.constraint is not None:

@@ -7,7 +7,25 @@ still become the start of a stop string is also held back until it is decided.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
+
+
+def _backend_decode(tokenizer: Any, skip_special_tokens: bool) -> Optional[Callable[[list[int]], str]]:
+    """The Rust tokenizer's own decode when it is exactly what tokenizer.decode(ids,
+    skip_special_tokens, clean_up_tokenization_spaces=False) returns: a transformers
+    TokenizersBackend whose _decode is not overridden (it then calls the backend and only cleans
+    up spaces on request; spaces_between_special_tokens does not apply to it). Why: decode()
+    first converts the ids through to_py_obj, ~3.4 against ~1.1 us per call, and a decode step
+    calls it twice per sequence."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(tokenizer, TokenizersBackend) or type(tokenizer)._decode is not TokenizersBackend._decode \
+            or backend is None:
+        return None
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -25,8 +43,11 @@ class IncrementalDetokenizer:
         self.emitted = 0        # chars of `text` already handed out
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.stopped = False
+        self._fast = _backend_decode(tokenizer, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids)
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False,
                                spaces_between_special_tokens=self.spaces)
 
