@@ -133,7 +133,7 @@ constexpr int64_t kMc = 192;   // rows of x per work item when M is large (192 x
 // for every panel; 12 layers, ms, 2-vCPU AMX Xeon: M = 256 31.8 -> 29.3, M = 512 59.9 -> 55.8
 // (gate_up, K = 768, level; caps of 1 MiB or 384 KiB measured no better). The bfloat16 pair
 // kernels keep kMc: their AMX tiles ran the down projection at M = 512 8.6 -> 11.6 ms with it.
-inline int64_t float_row_cap(int64_t K) { return std::max<int64_t>(6, kMc * 768 / K / 6 * 6); }
+inline int64_t float_row_cap(int64_t K) { return K <= 0 ? kMc : std::max<int64_t>(6, kMc * 768 / K / 6 * 6); }
 
 // Rows per work item: `cap` when M is over twice that; otherwise all M rows, unless the matrix
 // has too few panels to keep every thread busy (a [768 -> 320] qkv has 5: 3 + 2 on two threads),
