@@ -22,6 +22,14 @@ class SamplingRow:
     logprobs: bool = True               # whether the step computes its logprob and top-N (False:
                                         # zeros, when no row of the step asks: runner's step)
 
+    def at_step(self, steps: int, ban: list) -> "SamplingRow":
+        """These settings for a later token of the same sequence (speculation's guesses): a copy
+        with `steps` and `ban` replaced, without dataclasses.replace's per-field work."""
+        row = object.__new__(SamplingRow)
+        row.__dict__.update(self.__dict__)
+        row.steps, row.ban = steps, ban
+        return row
+
 
 @dataclass
 class SampleRow:

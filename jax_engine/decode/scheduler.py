@@ -327,8 +327,12 @@ class Scheduler:
         owners: list[tuple[Sequence, list[int]]] = []
         for seq in decoding:
             pos, g = seq.total_len - 1, seq.drafts
-            samples = [SampleRow(seq.slot, self._sampling_row(seq, ahead=j), at=j,
-                                 draft=g[j] if j < len(g) else -1, prior=g[:j]) for j in range(len(g) + 1)]
+            first = self._sampling_row(seq)
+            samples = [SampleRow(seq.slot, first, 0, g[0] if g else -1)]
+            if g:           # one sample row per guess (a verifying step builds up to 64 of these)
+                n0, lo = first.steps, seq.req.params.min_new_tokens
+                samples += [SampleRow(seq.slot, first.at_step(n0 + j, first.ban if n0 + j < lo else []), j,
+                                      g[j] if j < len(g) else -1, g[:j]) for j in range(1, len(g) + 1)]
             rows.append(StepRow(tokens=[seq.tokens[-1]] + g, start=pos, pages=seq.pages,
                                 samples=samples, lora_slot=seq.req.lora_slot))
             owners.append((seq, g))
@@ -506,10 +510,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     # ------------------------------------------------------------------ tokens and outputs
-    def _sampling_row(self, s: Sequence, ahead: int = 0) -> SamplingRow:
-        """The sampling settings of s's next token, or (speculation) of the token `ahead` guesses later."""
+    def _sampling_row(self, s: Sequence) -> SamplingRow:
+        """The sampling settings of s's next token (a guess's are this row at a later step: at_step)."""
         p = s.req.params
-        n_out = len(s.output_ids) + ahead
+        n_out = len(s.output_ids)
         ban = []
         if n_out < p.min_new_tokens:
             ban = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))

@@ -163,6 +163,45 @@ def test_global_cache_with_a_prompt_shorter_than_its_context():
     assert cache.start([1, 2, 3]).propose([1, 2, 3], 8) == ANSWER[:3]
 
 
+def test_global_cache_keeps_one_copy_of_a_repeated_answer_and_counts_it():
+    cache = SuffixCache()
+    other = [8, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    for _ in range(3):
+        cache.start(PROMPT).finish(PROMPT + ANSWER)
+    assert len(cache) == 1 and cache.cached_tokens == 16 + len(ANSWER)     # one doc, seen three times
+    cache.start(PROMPT).finish(PROMPT + other)                             # a different answer, the latest
+    assert len(cache) == 2
+    # both docs match the prompt equally deep: the answer seen three times wins 3 to 1 (one copy
+    # each without the count would tie, and a tie goes to the most recent: `other`)
+    assert cache.start(PROMPT).propose(PROMPT, 8) == ANSWER[:8]
+    cache.start(PROMPT).finish(PROMPT + other)
+    cache.start(PROMPT).finish(PROMPT + other)
+    cache.start(PROMPT).finish(PROMPT + other)
+    assert cache.start(PROMPT).propose(PROMPT, 8) == other[:8]               # now 4 to 3
+
+
+def test_suffix_match_runs_past_the_anchors_to_pick_the_occurrence():
+    # three cached answers share the 16 tokens before their continuation, so a 16-token anchor
+    # matches them all and the most frequent continuation (B) would win; the 40 tokens before
+    # those 16 match only A's doc, and the proposal follows A
+    shared = list(range(500, 516))
+    cache = SuffixCache(prompt_context=0)
+    cont_a, cont_b = [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9, 9, 9, 9]
+    ctx_a = list(range(600, 640))
+    for i in range(3):
+        cache.start([]).finish(list(range(700 + 50 * i, 740 + 50 * i)) + shared + cont_b)
+    cache.start([]).finish(ctx_a + shared + cont_a)
+    seq = ctx_a + shared
+    assert cache.start(seq).propose(seq, 8) == cont_a
+    # with the match cut at the anchor, frequency decides
+    assert SuffixCache(prompt_context=0, max_match=16).start([]).propose(seq, 8) == []  # (empty cache)
+    shallow = SuffixCache(prompt_context=0, max_match=16)
+    for i in range(3):
+        shallow.start([]).finish(list(range(700 + 50 * i, 740 + 50 * i)) + shared + cont_b)
+    shallow.start([]).finish(ctx_a + shared + cont_a)
+    assert shallow.start(seq).propose(seq, 8) == cont_b
+
+
 def test_aborted_request_is_not_cached():
     cache = SuffixCache()
     cache.start(PROMPT).finish(None)
