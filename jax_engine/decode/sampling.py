@@ -343,12 +343,16 @@ def host_arrays(rows: Sequence[Optional[SamplingRow]], R: int, num_bias: int, nu
         "ban_on": np.zeros((R, num_ban), bool), "seeds": np.zeros((R, 2), np.uint32),
         "steps": np.zeros(R, np.int32), "logprobs": np.zeros(R, bool),
     }
-    for i, r in enumerate(rows):
-        if r is None:
-            continue
-        for k in ("temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen", "steps", "logprobs"):
-            out[k][i] = getattr(r, k)
-        out["seeds"][i] = seed_key(r.seeds)
+    live = [(i, r) for i, r in enumerate(rows) if r is not None]
+    if not live:
+        return out
+    at = [i for i, _ in live]
+    # a column at a time from Python lists (an element write per field and row was ~1.5 us a row:
+    # 0.09 ms for a verifying step's 64 sample rows)
+    for k in ("temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen", "steps", "logprobs"):
+        out[k][at] = [getattr(r, k) for _, r in live]
+    out["seeds"][at] = [seed_key(r.seeds) for _, r in live]
+    for i, r in live:
         b = r.bias
         if b:
             ids, vals = zip(*b)

@@ -532,13 +532,20 @@ class Scheduler:
         finish: Optional[str] = None
         matched = error = None
         want_lp = p.logprobs or p.top_logprobs
+        detok = seq.detok
+        # text a token at a time only where a stop string may end at any token; otherwise the
+        # run is detokenized once after the loop (two decodes instead of two per token: a
+        # verifying step emits up to k + 1 tokens a row)
+        per_token = detok is not None and bool(detok.stops)
+        stop_str = None
         for i in range(j, j + n):
             tok = int(res.tokens[i])
             seq.num_computed = seq.total_len    # the KV of every token before this one (guesses included)
             seq.output_ids.append(tok)
             self.total_generated_tokens += 1
             toks.append(tok)
-            stop_str = seq.detok.add(tok) if seq.detok is not None else None
+            if per_token:
+                stop_str = detok.add(tok)
             n_out = len(seq.output_ids)
             if tok in p.stop_token_ids and n_out > p.min_new_tokens - 1:
                 finish, matched = "stop", tok
@@ -561,6 +568,8 @@ class Scheduler:
                 lps.append(TokenLogprob(tok, float(res.logprobs[i]), top))
             if finish is not None:
                 break
+        if detok is not None and not per_token:
+            detok.add_many(toks)
         out = self._output(seq, toks, lps if want_lp else None, finish is not None)
         out.finish_reason, out.matched_stop = finish, matched
         if error is not None:

@@ -379,16 +379,18 @@ class SuffixProposer:
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens to follow `tokens` (prompt + output so far), the better scoring of this
         request's own index and the global cache (the cache on a tie: its match is as deep and
-        it is a finished answer)."""
-        self._sync(tokens)
+        it is a finished answer). The cache is asked first: when its path is k tokens long the
+        own index cannot beat it and is neither asked nor brought up to date (it catches up on
+        the next call that asks it), which at 8 repeated streams saved ~20 us a row and step."""
         if k <= 0:
             return []
         c = self.cache
-        pattern = self._tokens[-max(self._pattern_len, math.ceil(k / c.spec_factor) if c.spec_factor > 0 else 0):]
-        assert self._index is not None
+        pattern = tokens[-max(self._pattern_len, math.ceil(k / c.spec_factor) if c.spec_factor > 0 else 0):]
         glob, glob_score = c.best_path(pattern, k) if len(c) else ([], 0.0)
         if glob_score >= k:
-            return glob         # the own index cannot score higher (a path scores at most its length)
+            return glob         # a path scores at most its length
+        self._sync(tokens)
+        assert self._index is not None
         own, own_score, _ = self._index.best_path(pattern, k, c.spec_factor, c.min_token_prob, self_doc=0)
         return glob if glob_score >= own_score else own
 

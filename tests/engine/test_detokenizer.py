@@ -56,3 +56,28 @@ def test_fast_path_only_when_decode_is_not_overridden():
     for t in ids:
         d.add(t)
     assert d.take(True) == over.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_runs_added_together_stream_the_same_text(skip):
+    """add_many (speculation's accepted runs) streams what one add per token streams, runs
+    split anywhere, inside multi-byte characters included."""
+    import random
+
+    tok = byte_level_tokenizer()
+    text = " ".join(WORDS) + " \U0001F600 end \u65e5\u672c"
+    ids = [0] + tok.encode(text, add_special_tokens=False) + [1]
+    want = tok.decode(ids[3:], skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    rng = random.Random(3)
+    for _ in range(20):
+        d = IncrementalDetokenizer(tok, ids[:3], skip, [], False)
+        got, i = "", 3
+        while i < len(ids):
+            n = rng.randint(1, 9)
+            d.add_many(ids[i:i + n])
+            got += d.take(False)
+            assert want.startswith(got)
+            i += n
+        assert got + d.take(True) == want
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tok, [], skip, ["end"], False).add_many([5])
