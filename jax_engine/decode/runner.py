@@ -70,6 +70,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Callable, Optional, Protocol
 
 import jax
@@ -529,7 +530,7 @@ class ModelRunner:
         key, args = self._step_args(rows, masks)
         (small, h), self.state = self._run("step", key, args)
         n = sum(len(r.samples) for r in rows)
-        starts = np.cumsum([0] + [len(r.tokens) for r in rows])[:-1].tolist()
+        starts = list(accumulate((len(r.tokens) for r in rows), initial=0))[:-1]
         a = _fetch(small)[:n]
         self._observe((key[0], "spec" in key, greedy), (time.perf_counter() - t0) * 1000.0)
         N = self.rc.top_n
