@@ -347,6 +347,70 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
                      y->typed_data());
 }
 
+// erf(x) in float32: the odd rational form x P(x^2) / Q(x^2) on x clamped to [-4, 4] (beyond,
+// erf is +-1 in float32), degrees 13 / 8; max abs error 3.3e-7 on a dense grid over [-6, 6],
+// as XLA:CPU's own erf measures there.
+inline v16 verf(v16 x) {
+  x = x < -4.0f ? v16{} - 4.0f : x;
+  x = x > 4.0f ? v16{} + 4.0f : x;
+  const v16 x2 = x * x;
+  v16 p = v16{} - 2.72614225801306e-10f;
+  p = p * x2 + 2.77068142495902e-08f;
+  p = p * x2 - 2.10102402082508e-06f;
+  p = p * x2 - 5.69250639462346e-05f;
+  p = p * x2 - 7.34990630326855e-04f;
+  p = p * x2 - 2.95459980854025e-03f;
+  p = p * x2 - 1.60960333262415e-02f;
+  v16 q = v16{} - 1.45660718464996e-05f;
+  q = q * x2 - 2.13374055278905e-04f;
+  q = q * x2 - 1.68282697438203e-03f;
+  q = q * x2 - 7.37332916720468e-03f;
+  q = q * x2 - 1.42647390514189e-02f;
+  return x * p / q;
+}
+
+// y = gelu(y + bias) over rows x cols of a tile (row stride ldo; cols <= 64): HF's exact (erf)
+// GELU, 0.5 v (1 + erf(v / sqrt 2)). Run on each tile right after its GEMM, while it is in L1.
+inline void bias_gelu(float* y, int64_t ldo, int64_t rows, const float* bias, int64_t cols) {
+  const int64_t whole = cols / 16 * 16;
+  for (int64_t m = 0; m < rows; ++m) {
+    float* r = y + m * ldo;
+    for (int64_t c = 0; c < whole; c += 16) {
+      const v16 v = load16(r + c) + load16(bias + c);
+      store16(r + c, 0.5f * v * (1.0f + verf(v * 0.70710678118654752f)));
+    }
+    for (int64_t c = whole; c < cols; ++c) {
+      const float v = r[c] + bias[c];
+      r[c] = 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+    }
+  }
+}
+
+// XlaserveGemmBiasGeluF32: y = gelu(x @ w[layer] + bias) (float32 panels, bias [N]): an encoder's
+// FFN input projection with its activation. Why: XLA ran bias + GELU as a separate pass over the
+// [tokens, intermediate] output (all-MiniLM-L6-v2, 32 sentences: 7.2 of ~112 ms a batch); here
+// each tile is finished while it is still in L1.
+ffi::Error GemmBiasGeluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w, ffi::Buffer<ffi::S32> layer,
+                            ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t M, K, L, P, N;
+  if (auto e = check(x, w, y, M, K, L, P, N); e.failure()) return e;
+  if (bias.element_count() != static_cast<size_t>(N))
+    return ffi::Error::InvalidArgument("xlaserve_gemm_bias_gelu: bias does not match the output columns");
+  M = live_rows(layer, M, y->typed_data(), N);
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm: layer index out of range");
+  if (M == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const float* wl = w.typed_data() + li * P * K * kTile;
+  const float* bp = bias.typed_data();
+  for_each_panel(pool, M, float_row_cap(K), P, N, y->typed_data(),
+                 [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
+    do_panel(xp + m0 * K, wl + t * K * kTile, static_cast<const float*>(nullptr), out, ldo, rows, K);
+    bias_gelu(out, ldo, rows, bp + t * kTile, std::min<int64_t>(kTile, N - t * kTile));
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsI8 w, Scales s,
                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   int64_t M, K, L, P, N;
@@ -1305,6 +1369,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmF32, GemmImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<Panels>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasGeluF32, GemmBiasGeluImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<Panels>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8, GemmI8Impl,

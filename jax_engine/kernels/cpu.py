@@ -37,6 +37,7 @@ log = logging.getLogger("xlaserve.kernels")
 
 PANEL = 64                       # output columns per panel (4 AVX-512 vectors); must match cpu.cc
 TARGET = "xlaserve_cpu_gemm_f32"
+GELU_TARGET = "xlaserve_cpu_gemm_bias_gelu_f32"
 I8_TARGET = "xlaserve_cpu_gemm_i8"
 BF16_TARGET = "xlaserve_cpu_gemm_bf16"
 I8_BF16_TARGET = "xlaserve_cpu_gemm_i8_bf16"
@@ -157,6 +158,7 @@ def available() -> bool:
                 raise RuntimeError(f"untested CPU architecture {platform.machine()}")
             lib = ctypes.cdll.LoadLibrary(_build())
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveGemmF32), platform="cpu")
+            jax.ffi.register_ffi_target(GELU_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBiasGeluF32), platform="cpu")
             jax.ffi.register_ffi_target(I8_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8), platform="cpu")
             jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBF16), platform="cpu")
             jax.ffi.register_ffi_target(I8_BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8BF16), platform="cpu")
@@ -327,6 +329,19 @@ def gemm(x: jax.Array, w: Any, layer: Any, n: int, rows: Optional[jax.Array] = N
     if isinstance(w, dict):
         return jax.ffi.ffi_call(I8_TARGET, out)(x.astype(jnp.float32), w["q"], w["s"], li)
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w, li)
+
+
+def gemm_bias_gelu(x: jax.Array, w: jax.Array, layer: Any, bias: jax.Array) -> jax.Array:
+    """gelu(x [M, K] @ w[layer] + bias) with HF's exact (erf) GELU, float32 panels only
+    (cpu.cc: XlaserveGemmBiasGeluF32): an encoder's FFN input projection and its activation in
+    one pass over the output."""
+    _require()
+    if _pairs(w) or isinstance(w, dict):
+        raise ValueError("gemm_bias_gelu takes float32 panels only")
+    n = bias.shape[-1]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    li = jnp.asarray(layer, jnp.int32).reshape(())
+    return jax.ffi.ffi_call(GELU_TARGET, out)(x.astype(jnp.float32), w, li, bias.astype(jnp.float32))
 
 
 def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...],

@@ -366,15 +366,22 @@ class Dense(nnx.Module):
         self.bias = _param(bias)
         self.panels: Optional[nnx.Param] = nnx.data(None)
 
-    def __call__(self, c: "EncoderConfig", x: jax.Array, li: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, c: "EncoderConfig", x: jax.Array, li: Optional[jax.Array] = None,
+                 gelu: bool = False) -> jax.Array:
         """x [B, S, K] (or [B, K]) @ this matrix (layer li's, on the path the plan names for the
-        program's row count) + bias."""
+        program's row count) + bias, then (`gelu`) HF's exact GELU: in the kernel's own pass
+        over each output tile for float32 panels (cpu.gemm_bias_gelu), else by XLA."""
         m = math.prod(x.shape[:-1])
         if li is not None and c.matmul_plan is not None and c.matmul_plan.path(self.name, m) == "kernel":
-            y = cpu_kernels.linear(x, self.panels[...], li, 1, (matrix_dims(c)[self.name][1],)).astype(x.dtype)
+            w = self.panels[...]
+            if gelu and w.dtype == jnp.float32 and self.bias[...].dtype == jnp.float32:
+                y = cpu_kernels.gemm_bias_gelu(x.reshape(m, x.shape[-1]), w, li, self.bias[...])
+                return y.reshape(x.shape[:-1] + y.shape[-1:]).astype(x.dtype)
+            y = cpu_kernels.linear(x, w, li, 1, (matrix_dims(c)[self.name][1],)).astype(x.dtype)
         else:
             y = x @ self.weight[...]
-        return y + self.bias[...]
+        y = y + self.bias[...]
+        return _ACTIVATIONS["gelu"](y) if gelu else y
 
 
 class Embed(nnx.Module):
@@ -429,7 +436,10 @@ class Layer(nnx.Module):
         qkv = at.qkv(c, x.astype(dt), li)
         attn = at.output.dense(c, attend(qkv).astype(dt), li)
         x = at.output.LayerNorm(x + attn.astype(jnp.float32), c.layer_norm_eps)
-        inner = _ACTIVATIONS[c.hidden_act](self.intermediate.dense(c, x.astype(dt), li))
+        if c.hidden_act == "gelu":      # the kernel path fuses it into the projection
+            inner = self.intermediate.dense(c, x.astype(dt), li, gelu=True)
+        else:
+            inner = _ACTIVATIONS[c.hidden_act](self.intermediate.dense(c, x.astype(dt), li))
         out = self.output.dense(c, inner, li)
         return self.output.LayerNorm(x + out.astype(jnp.float32), c.layer_norm_eps)
 

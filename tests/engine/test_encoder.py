@@ -162,6 +162,9 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
     assert w.packed and len(w.token_buckets) == 12                 # the attention kernel everywhere: packed inputs
     w.warmup(progress=False)
     assert len(w.programs) == len(w.token_buckets)
+    from jax_engine.kernels import cpu as cpu_kernels
+    hlo = next(iter(w.programs._programs.values())).as_text()
+    assert cpu_kernels.GELU_TARGET in hlo and "erf" not in hlo      # the FFN's GELU runs in the kernel's pass
     w.start()
     try:
         mixed = list(range(len(sentences)))[::-1]                     # 3-256 tokens, several programs
