@@ -228,7 +228,7 @@ class Scheduler:
             return 0
         for seq in decoding:            # every sequence gets its proposer (it learns at the end)
             if seq.spec is None:
-                seq.spec = d.start(seq.req.prompt_ids)
+                seq.spec = d.start(seq.req.prompt_ids, seq.req.params.temperature <= 0)
         room = self.budget - len(decoding) - chunk_tokens
         if room <= 0 or not d.gate():
             return 0

@@ -87,7 +87,7 @@ class Drafter:
         if not self.hist:
             self.hist = [0] * (self.max_tokens + 1)
 
-    def start(self, prompt: Sequence[int]) -> SpecTrack:
+    def start(self, prompt: Sequence[int], greedy: bool = True) -> SpecTrack:
         """A new sequence's track. Its q starts from the acceptance of this drafter's recent
         verifications (over every sequence), not from a constant: with a fixed 0.7, each of 8
         concurrent sampled streams of the trained model (measured acceptance ~0.4-0.6) bet on several guesses
@@ -101,7 +101,7 @@ class Drafter:
         steps planned (CI caught it: 4 guesses accepted of a possible 40)."""
         assert self.speculator is not None
         self.gate_pause = 0
-        return SpecTrack(self.speculator.start(prompt), rate=max(self.prior, self.min_accept_rate))
+        return SpecTrack(self.speculator.start(prompt, greedy), rate=max(self.prior, self.min_accept_rate))
 
     def gate(self) -> bool:
         """Whether to plan guesses for this step at all. Planning costs host time on the scheduler

@@ -41,7 +41,9 @@ class Proposer(Protocol):
 class Speculator(Protocol):
     """A method configured for one model: what is shared across its requests lives here."""
 
-    def start(self, prompt: Sequence[int]) -> Proposer:
+    def start(self, prompt: Sequence[int], greedy: bool = True) -> Proposer:
+        """A proposer for a sequence with this prompt; `greedy`: its tokens are argmax draws
+        (sampled ones are accepted by rejection sampling, which favours other guesses)."""
         ...
 
 

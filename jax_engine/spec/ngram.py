@@ -82,5 +82,5 @@ class NgramSpeculator:
         NgramProposer(max_n, min_n)             # validate once, at configuration time
         self.max_n, self.min_n = max_n, min_n
 
-    def start(self, prompt: Sequence[int]) -> NgramProposer:
+    def start(self, prompt: Sequence[int], greedy: bool = True) -> NgramProposer:
         return NgramProposer(self.max_n, self.min_n)

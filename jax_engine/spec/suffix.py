@@ -35,6 +35,10 @@ cap needs (k / spec_factor tokens): degenerate or formulaic text repeats 8-16-to
 across many outputs, and frequency over all of them picked the wrong continuation for a
 repeated prompt whose own earlier answer was in the cache (spec_decode, 8 repeated streams of
 the trained model: 86 % of guesses accepted with the match cut at k, 98-99 % with 64).
+That holds for greedy sequences; a sampled one keeps the match at the length cap's depth and
+the frequency over all its occurrences, since rejection sampling accepts the most frequent
+continuation more often than one earlier sample of it (spec_decode, sampled workload, guesses
+accepted: 0.41-0.47 at that depth, 0.28-0.41 with the deep match).
 An exact repeat of a cached output (prompt tail and answer) is kept once with a count that
 weighs it in that frequency (SuffixCache.add). This costs O(anchors) entries per
 token instead of the trie's O(depth) nodes, which in Python is the difference between tens and
@@ -183,7 +187,7 @@ class SuffixIndex:
                 yield a, occ[:-self.max_occurrences - 1:-1]
 
     def best_path(self, pattern: Sequence[int], k: int, spec_factor: float, min_token_prob: float,
-                  self_doc: Optional[int] = None) -> tuple[list[int], float, set[int]]:
+                  self_doc: Optional[int] = None, max_match: Optional[int] = None) -> tuple[list[int], float, set[int]]:
         """The highest-scoring proposal after `pattern`: (tokens, score, ids of the docs it came from).
 
         Per anchor, the node walked from is the deepest one among that anchor's occurrences: the
@@ -197,7 +201,7 @@ class SuffixIndex:
             return best
         need = min(len(pattern), math.ceil(k / spec_factor))   # a longer match would not allow more tokens
         most = max_spec_len(max(need, self.anchors[-1]), k, spec_factor)
-        deep = min(len(pattern), max(need, self.max_match))
+        deep = min(len(pattern), max(need, self.max_match if max_match is None else max_match))
         for anchor, occ in self.occurrences(pattern):
             if best[1] >= most:
                 break           # no node can beat it: a path's score is at most its length
@@ -308,8 +312,11 @@ class SuffixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def start(self, prompt: Sequence[int]) -> SuffixProposer:
-        return SuffixProposer(self, prompt)
+    def start(self, prompt: Sequence[int], greedy: bool = True) -> SuffixProposer:
+        """A sequence's proposer. Greedy sequences follow the deepest match (up to max_match
+        tokens back); sampled ones the most frequent continuation among the occurrences that
+        match as far as the proposal's length cap needs (see best_path: why)."""
+        return SuffixProposer(self, prompt, max_match=self.max_match if greedy else 0)
 
     def add(self, prompt: Sequence[int], output: Sequence[int]) -> Optional[int]:
         """Cache a finished request's output (after the tail of its prompt); returns its doc id,
@@ -343,8 +350,9 @@ class SuffixCache:
             self.cached_tokens -= n
         return doc_id
 
-    def best_path(self, pattern: Sequence[int], k: int) -> tuple[list[int], float]:
-        path, score, docs = self.index.best_path(pattern, k, self.spec_factor, self.min_token_prob)
+    def best_path(self, pattern: Sequence[int], k: int, max_match: Optional[int] = None) -> tuple[list[int], float]:
+        path, score, docs = self.index.best_path(pattern, k, self.spec_factor, self.min_token_prob,
+                                                 max_match=max_match)
         for d in docs:
             self._lru.move_to_end(d)
         return path, score
@@ -353,17 +361,18 @@ class SuffixCache:
 class SuffixProposer:
     """One request's proposer: its own index over prompt + output, and the model's global cache."""
 
-    def __init__(self, cache: SuffixCache, prompt: Sequence[int]):
+    def __init__(self, cache: SuffixCache, prompt: Sequence[int], max_match: Optional[int] = None):
         self.cache = cache
         self.prompt_len = len(prompt)
-        self._pattern_len = max(max(cache.anchors), cache.max_match)
+        self.max_match = cache.max_match if max_match is None else max_match
+        self._pattern_len = max(max(cache.anchors), self.max_match)
         # the per-request index is built at the first proposal: a sequence the planner never asks
         # (its guesses could not pay, or planning paused) costs nothing but its caching at the end
         self._index: Optional[SuffixIndex] = None
         self._tokens: list[int] = []
 
     def _rebuild(self, tokens: Sequence[int]) -> None:
-        self._index = SuffixIndex(self.cache.anchors, self.cache.max_occurrences, self.cache.max_match)
+        self._index = SuffixIndex(self.cache.anchors, self.cache.max_occurrences, self.max_match)
         self._index.extend(0, tokens)
         self._tokens = self._index.docs[0]
 
@@ -386,7 +395,7 @@ class SuffixProposer:
             return []
         c = self.cache
         pattern = tokens[-max(self._pattern_len, math.ceil(k / c.spec_factor) if c.spec_factor > 0 else 0):]
-        glob, glob_score = c.best_path(pattern, k) if len(c) else ([], 0.0)
+        glob, glob_score = c.best_path(pattern, k, self.max_match) if len(c) else ([], 0.0)
         if glob_score >= k:
             return glob         # a path scores at most its length
         self._sync(tokens)

@@ -176,7 +176,7 @@ def test_sampled_tokens_keep_their_distribution(engine, monkeypatch):
             pass
 
     class Always:
-        def start(self, prompt):
+        def start(self, prompt, greedy=True):
             return Fixed()
 
     d = _use(engine, "ngram")
@@ -220,7 +220,7 @@ def test_planner_costs_sampled_steps_with_the_sampled_table(engine):
             pass
 
     class Always:
-        def start(self, prompt):
+        def start(self, prompt, greedy=True):
             return Guess()
 
     try:

@@ -451,7 +451,7 @@ def test_guesses_take_only_the_room_prompt_chunks_leave():
     from jax_engine.decode.speculate import Drafter
 
     runner = SpecFakeRunner(max_batched_tokens=16)
-    drafter = Drafter("ngram", 4, speculator=SimpleNamespace(start=lambda prompt: _CountingProposer()))
+    drafter = Drafter("ngram", 4, speculator=SimpleNamespace(start=lambda prompt, greedy=True: _CountingProposer()))
     sched = Scheduler(runner, PagePool(64, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake",
                       drafter=drafter)
     runner.sched = sched

@@ -193,6 +193,8 @@ def test_suffix_match_runs_past_the_anchors_to_pick_the_occurrence():
     cache.start([]).finish(ctx_a + shared + cont_a)
     seq = ctx_a + shared
     assert cache.start(seq).propose(seq, 8) == cont_a
+    # a sampled sequence follows frequency instead (rejection sampling accepts the mode more often)
+    assert cache.start(seq, greedy=False).propose(seq, 8) == cont_b
     # with the match cut at the anchor, frequency decides
     assert SuffixCache(prompt_context=0, max_match=16).start([]).propose(seq, 8) == []  # (empty cache)
     shallow = SuffixCache(prompt_context=0, max_match=16)

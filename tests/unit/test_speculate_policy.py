@@ -14,7 +14,7 @@ class _Wrong:
 
 
 class _Spec:
-    def start(self, prompt):
+    def start(self, prompt, greedy=True):
         return _Wrong()
 
 
