@@ -369,33 +369,37 @@ inline v16 verf(v16 x) {
   return x * p / q;
 }
 
-// y = gelu(y + bias) over rows x cols of a tile (row stride ldo; cols <= 64): HF's exact (erf)
-// GELU, 0.5 v (1 + erf(v / sqrt 2)). Run on each tile right after its GEMM, while it is in L1.
-inline void bias_gelu(float* y, int64_t ldo, int64_t rows, const float* bias, int64_t cols) {
+// y = y + bias, then (kGelu) HF's exact (erf) GELU 0.5 v (1 + erf(v / sqrt 2)), over rows x cols
+// of a tile (row stride ldo; cols <= 64). Run on each tile right after its GEMM, while it is in L1.
+template <bool kGelu>
+inline void bias_act(float* y, int64_t ldo, int64_t rows, const float* bias, int64_t cols) {
   const int64_t whole = cols / 16 * 16;
   for (int64_t m = 0; m < rows; ++m) {
     float* r = y + m * ldo;
     for (int64_t c = 0; c < whole; c += 16) {
       const v16 v = load16(r + c) + load16(bias + c);
-      store16(r + c, 0.5f * v * (1.0f + verf(v * 0.70710678118654752f)));
+      if constexpr (kGelu) store16(r + c, 0.5f * v * (1.0f + verf(v * 0.70710678118654752f)));
+      else store16(r + c, v);
     }
     for (int64_t c = whole; c < cols; ++c) {
       const float v = r[c] + bias[c];
-      r[c] = 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+      r[c] = kGelu ? 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f)) : v;
     }
   }
 }
 
-// XlaserveGemmBiasGeluF32: y = gelu(x @ w[layer] + bias) (float32 panels, bias [N]): an encoder's
-// FFN input projection with its activation. Why: XLA ran bias + GELU as a separate pass over the
-// [tokens, intermediate] output (all-MiniLM-L6-v2, 32 sentences: 7.2 of ~112 ms a batch); here
-// each tile is finished while it is still in L1.
-ffi::Error GemmBiasGeluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w, ffi::Buffer<ffi::S32> layer,
-                            ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y) {
+// XlaserveGemmBiasF32 / XlaserveGemmBiasGeluF32: y = x @ w[layer] + bias, and gelu of it (float32
+// panels, bias [N]): an encoder's projections with their bias, the FFN input one with its
+// activation. Why: XLA ran each bias add (and the GELU) as a pass of its own over the output:
+// all-MiniLM-L6-v2, 32 sentences, 7.2 of ~112 ms a batch for bias + GELU; 128 sentences, 13.1
+// of ~430 ms for the qkv bias alone. Here each tile is finished while it is still in L1.
+template <bool kGelu>
+ffi::Error GemmBiasImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w, ffi::Buffer<ffi::S32> layer,
+                        ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y) {
   int64_t M, K, L, P, N;
   if (auto e = check(x, w, y, M, K, L, P, N); e.failure()) return e;
   if (bias.element_count() != static_cast<size_t>(N))
-    return ffi::Error::InvalidArgument("xlaserve_gemm_bias_gelu: bias does not match the output columns");
+    return ffi::Error::InvalidArgument("xlaserve_gemm_bias: bias does not match the output columns");
   M = live_rows(layer, M, y->typed_data(), N);
   const int64_t li = layer.typed_data()[0];
   if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm: layer index out of range");
@@ -406,7 +410,7 @@ ffi::Error GemmBiasGeluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panel
   for_each_panel(pool, M, float_row_cap(K), P, N, y->typed_data(),
                  [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
     do_panel(xp + m0 * K, wl + t * K * kTile, static_cast<const float*>(nullptr), out, ldo, rows, K);
-    bias_gelu(out, ldo, rows, bp + t * kTile, std::min<int64_t>(kTile, N - t * kTile));
+    bias_act<kGelu>(out, ldo, rows, bp + t * kTile, std::min<int64_t>(kTile, N - t * kTile));
   });
   return ffi::Error::Success();
 }
@@ -1371,7 +1375,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmF32, GemmImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasGeluF32, GemmBiasGeluImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasF32, GemmBiasImpl<false>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<Panels>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasGeluF32, GemmBiasImpl<true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -37,6 +37,7 @@ log = logging.getLogger("xlaserve.kernels")
 
 PANEL = 64                       # output columns per panel (4 AVX-512 vectors); must match cpu.cc
 TARGET = "xlaserve_cpu_gemm_f32"
+BIAS_TARGET = "xlaserve_cpu_gemm_bias_f32"
 GELU_TARGET = "xlaserve_cpu_gemm_bias_gelu_f32"
 I8_TARGET = "xlaserve_cpu_gemm_i8"
 BF16_TARGET = "xlaserve_cpu_gemm_bf16"
@@ -158,6 +159,7 @@ def available() -> bool:
                 raise RuntimeError(f"untested CPU architecture {platform.machine()}")
             lib = ctypes.cdll.LoadLibrary(_build())
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.XlaserveGemmF32), platform="cpu")
+            jax.ffi.register_ffi_target(BIAS_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBiasF32), platform="cpu")
             jax.ffi.register_ffi_target(GELU_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBiasGeluF32), platform="cpu")
             jax.ffi.register_ffi_target(I8_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8), platform="cpu")
             jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBF16), platform="cpu")
@@ -331,17 +333,18 @@ def gemm(x: jax.Array, w: Any, layer: Any, n: int, rows: Optional[jax.Array] = N
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w, li)
 
 
-def gemm_bias_gelu(x: jax.Array, w: jax.Array, layer: Any, bias: jax.Array) -> jax.Array:
-    """gelu(x [M, K] @ w[layer] + bias) with HF's exact (erf) GELU, float32 panels only
-    (cpu.cc: XlaserveGemmBiasGeluF32): an encoder's FFN input projection and its activation in
-    one pass over the output."""
+def gemm_bias(x: jax.Array, w: jax.Array, layer: Any, bias: jax.Array, gelu: bool = False) -> jax.Array:
+    """x [M, K] @ w[layer] + bias [N], then (`gelu`) HF's exact (erf) GELU; float32 panels only
+    (cpu.cc: XlaserveGemmBiasF32 / XlaserveGemmBiasGeluF32): an encoder's projection, its bias
+    and activation in one pass over the output."""
     _require()
     if _pairs(w) or isinstance(w, dict):
-        raise ValueError("gemm_bias_gelu takes float32 panels only")
+        raise ValueError("gemm_bias takes float32 panels only")
     n = bias.shape[-1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     li = jnp.asarray(layer, jnp.int32).reshape(())
-    return jax.ffi.ffi_call(GELU_TARGET, out)(x.astype(jnp.float32), w, li, bias.astype(jnp.float32))
+    return jax.ffi.ffi_call(GELU_TARGET if gelu else BIAS_TARGET, out)(
+        x.astype(jnp.float32), w, li, bias.astype(jnp.float32))
 
 
 def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...],

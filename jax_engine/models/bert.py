@@ -369,13 +369,13 @@ class Dense(nnx.Module):
     def __call__(self, c: "EncoderConfig", x: jax.Array, li: Optional[jax.Array] = None,
                  gelu: bool = False) -> jax.Array:
         """x [B, S, K] (or [B, K]) @ this matrix (layer li's, on the path the plan names for the
-        program's row count) + bias, then (`gelu`) HF's exact GELU: in the kernel's own pass
-        over each output tile for float32 panels (cpu.gemm_bias_gelu), else by XLA."""
+        program's row count) + bias, then (`gelu`) HF's exact GELU: the bias and GELU in the
+        kernel's own pass over each output tile for float32 panels (cpu.gemm_bias), else by XLA."""
         m = math.prod(x.shape[:-1])
         if li is not None and c.matmul_plan is not None and c.matmul_plan.path(self.name, m) == "kernel":
             w = self.panels[...]
-            if gelu and w.dtype == jnp.float32 and self.bias[...].dtype == jnp.float32:
-                y = cpu_kernels.gemm_bias_gelu(x.reshape(m, x.shape[-1]), w, li, self.bias[...])
+            if w.dtype == jnp.float32 and self.bias[...].dtype == jnp.float32:
+                y = cpu_kernels.gemm_bias(x.reshape(m, x.shape[-1]), w, li, self.bias[...], gelu)
                 return y.reshape(x.shape[:-1] + y.shape[-1:]).astype(x.dtype)
             y = cpu_kernels.linear(x, w, li, 1, (matrix_dims(c)[self.name][1],)).astype(x.dtype)
         else:

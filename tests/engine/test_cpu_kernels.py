@@ -75,22 +75,25 @@ def test_gemm_live_rows_compute_the_real_tokens_and_zero_the_padding():
 
 @pytest.mark.parametrize("M,K_,N", [(1, 64, 128), (37, 96, 200), (300, 384, 1536)])
 def test_gemm_bias_gelu_matches_the_exact_gelu(M, K_, N):
-    """The fused FFN projection: gelu(x @ w[layer] + bias) with the erf GELU, as XLA computes it
-    unfused (N 200: a ragged last panel, its tail columns by the scalar path); float32 panels
-    only."""
+    """The fused projections: x @ w[layer] + bias, and gelu of it with the erf GELU, as float64
+    math computes them (N 200: a ragged last panel, its tail columns by the scalar path);
+    float32 panels only."""
     import math
 
     rng = np.random.default_rng(5)
     w = (rng.standard_normal((2, K_, N)) * 0.1).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32)
     x = rng.standard_normal((M, K_)).astype(np.float32)
-    got = np.asarray(jax.jit(lambda x, p, b: K.gemm_bias_gelu(x, p, 1, b))(x, K.pack(jnp.asarray(w), 1, True), b))
+    packed = K.pack(jnp.asarray(w), 1, True)
+    f = jax.jit(lambda x, p, b: (K.gemm_bias(x, p, 1, b), K.gemm_bias(x, p, 1, b, gelu=True)))
+    plain, got = (np.asarray(a) for a in f(x, packed, b))
     pre = x.astype(np.float64) @ w[1].astype(np.float64) + b
     want = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+    np.testing.assert_allclose(plain, pre, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert np.abs(want).max() > 3           # the erf is exercised past its linear range
     with pytest.raises(ValueError, match="float32 panels"):
-        K.gemm_bias_gelu(x, K.pack(jnp.asarray(w, jnp.bfloat16), 1, True, pairs=True), 1, b)
+        K.gemm_bias(x, K.pack(jnp.asarray(w, jnp.bfloat16), 1, True, pairs=True), 1, b, gelu=True)
 
 
 def test_int8_gemm_matches_numpy():

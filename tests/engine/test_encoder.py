@@ -165,6 +165,7 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
     from jax_engine.kernels import cpu as cpu_kernels
     hlo = next(iter(w.programs._programs.values())).as_text()
     assert cpu_kernels.GELU_TARGET in hlo and "erf" not in hlo      # the FFN's GELU runs in the kernel's pass
+    assert hlo.count(cpu_kernels.BIAS_TARGET) == 3                  # and the other three matrices' biases
     w.start()
     try:
         mixed = list(range(len(sentences)))[::-1]                     # 3-256 tokens, several programs
