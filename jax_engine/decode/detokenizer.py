@@ -51,28 +51,35 @@ class IncrementalDetokenizer:
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False,
                                spaces_between_special_tokens=self.spaces)
 
+    def _advance(self) -> Optional[int]:
+        """Decode what the ids appended since the last read added: the text's length before it
+        when text grew, None when it did not (nothing new, or it ends inside a UTF-8 character)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        start = len(self.text)
+        self.text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return start
+
     def add(self, token_id: int) -> Optional[str]:
         """Append a token; returns the matched stop string if generation must stop."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            start = len(self.text)
-            self.text += full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            if self.stops:
-                # only the region new text could complete needs searching
-                window_start = max(0, start - self._hold)
-                best = None
-                for s in self.stops:
-                    i = self.text.find(s, window_start)
-                    if i != -1 and (best is None or i < best[0]):
-                        best = (i, s)
-                if best is not None:
-                    i, s = best
-                    self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
-                    self.stopped = True
-                    return s
+        start = self._advance()
+        if start is not None and self.stops:
+            # only the region new text could complete needs searching
+            window_start = max(0, start - self._hold)
+            best = None
+            for s in self.stops:
+                i = self.text.find(s, window_start)
+                if i != -1 and (best is None or i < best[0]):
+                    best = (i, s)
+            if best is not None:
+                i, s = best
+                self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+                self.stopped = True
+                return s
         return None
 
     def add_many(self, token_ids: list[int]) -> None:
@@ -83,14 +90,9 @@ class IncrementalDetokenizer:
         characters first)."""
         if self.stops:
             raise ValueError("add_many is for requests without stop strings (add checks each token)")
-        if not token_ids:
-            return
-        self.ids.extend(token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if token_ids:
+            self.ids.extend(token_ids)
+            self._advance()
 
     def take(self, final: bool) -> str:
         """New text safe to emit (all of it when `final`, incomplete UTF-8 included)."""

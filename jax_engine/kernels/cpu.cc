@@ -310,16 +310,22 @@ inline int64_t live_rows(const ffi::Buffer<ffi::S32>& layer, int64_t M, float* y
 
 // x [M, K]; w [L, P, K, 64] (P panels of 64 columns, the last zero-padded); layer [] int32, or
 // [2] int32 = [layer, rows] (live_rows); y [M, N] with 64 (P - 1) < N <= 64 P; int8 weights also
-// take scale [L, 64 P] per column.
-template <typename W>
+// take scale [L, 64 P] per column. epi(t, out, ldo, rows) runs on each finished tile (panel t)
+// while it is in L1 (GemmBiasImpl's bias and GELU); the default does nothing.
+struct NoEpilogue {
+  void operator()(int64_t, float*, int64_t, int64_t) const {}
+};
+
+template <typename W, typename Epi = NoEpilogue>
 ffi::Error gemm(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* sp, int64_t M, int64_t K,
-                int64_t L, int64_t P, int64_t N, int64_t li, float* yp) {
+                int64_t L, int64_t P, int64_t N, int64_t li, float* yp, Epi epi = {}) {
   if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm: layer index out of range");
   if (M == 0) return ffi::Error::Success();
   const W* wl = wp + li * P * K * kTile;
   const float* sl = sp ? sp + li * P * kTile : nullptr;
   for_each_panel(pool, M, float_row_cap(K), P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
     do_panel(xp + m0 * K, wl + t * K * kTile, sl ? sl + t * kTile : nullptr, out, ldo, rows, K);
+    epi(t, out, ldo, rows);
   });
   return ffi::Error::Success();
 }
@@ -401,18 +407,11 @@ ffi::Error GemmBiasImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
   if (bias.element_count() != static_cast<size_t>(N))
     return ffi::Error::InvalidArgument("xlaserve_gemm_bias: bias does not match the output columns");
   M = live_rows(layer, M, y->typed_data(), N);
-  const int64_t li = layer.typed_data()[0];
-  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm: layer index out of range");
-  if (M == 0) return ffi::Error::Success();
-  const float* xp = x.typed_data();
-  const float* wl = w.typed_data() + li * P * K * kTile;
   const float* bp = bias.typed_data();
-  for_each_panel(pool, M, float_row_cap(K), P, N, y->typed_data(),
-                 [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
-    do_panel(xp + m0 * K, wl + t * K * kTile, static_cast<const float*>(nullptr), out, ldo, rows, K);
+  return gemm<float>(pool, x.typed_data(), w.typed_data(), nullptr, M, K, L, P, N, layer.typed_data()[0],
+                     y->typed_data(), [=](int64_t t, float* out, int64_t ldo, int64_t rows) {
     bias_act<kGelu>(out, ldo, rows, bp + t * kTile, std::min<int64_t>(kTile, N - t * kTile));
   });
-  return ffi::Error::Success();
 }
 
 ffi::Error GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsI8 w, Scales s,

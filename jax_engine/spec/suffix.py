@@ -85,13 +85,11 @@ class SuffixIndex:
     An occurrence of n-gram g in doc d is recorded by its end e (exclusive): d[e - n:e] == g, and
     only when d[e] exists, so every recorded occurrence has a next token to propose."""
 
-    def __init__(self, anchors: Sequence[int] = DEFAULT_ANCHORS, max_occurrences: int = 32,
-                 max_match: int = MAX_MATCH):
+    def __init__(self, anchors: Sequence[int] = DEFAULT_ANCHORS, max_occurrences: int = 32):
         if not anchors or min(anchors) < 1:
             raise ValueError(f"anchors must be positive lengths, got {anchors!r}")
         self.anchors = tuple(sorted(set(anchors)))
         self.max_occurrences = max_occurrences
-        self.max_match = max_match
         # n-gram hash -> occurrences, oldest first, as int64 arrays: 8 bytes an entry instead of a
         # list slot plus an int object, and not containers the garbage collector walks (with lists,
         # collections over a full global cache made single proposals take 3-6 ms)
@@ -187,13 +185,15 @@ class SuffixIndex:
                 yield a, occ[:-self.max_occurrences - 1:-1]
 
     def best_path(self, pattern: Sequence[int], k: int, spec_factor: float, min_token_prob: float,
-                  self_doc: Optional[int] = None, max_match: Optional[int] = None) -> tuple[list[int], float, set[int]]:
+                  self_doc: Optional[int] = None, max_match: int = MAX_MATCH) -> tuple[list[int], float, set[int]]:
         """The highest-scoring proposal after `pattern`: (tokens, score, ids of the docs it came from).
 
         Per anchor, the node walked from is the deepest one among that anchor's occurrences: the
         match is extended backwards past the anchor as far as it can still raise the length cap
-        (k / spec_factor tokens), and the occurrences with the longest match are kept. `pattern`
-        should hold at least max(anchors, k / spec_factor) tokens. `self_doc` names the doc that
+        (k / spec_factor tokens), or up to `max_match` tokens to choose among several
+        occurrences (0: frequency at the cap's depth, as for sampled sequences; see the module
+        doc), and the occurrences with the longest match are kept. `pattern` should hold at
+        least max(anchors, k / spec_factor, max_match) tokens. `self_doc` names the doc that
         *is* the sequence being extended (the per-request index): its occurrences may run into the
         sequence's end, where the proposal itself continues it."""
         best: tuple[list[int], float, set[int]] = ([], 0.0, set())
@@ -201,7 +201,7 @@ class SuffixIndex:
             return best
         need = min(len(pattern), math.ceil(k / spec_factor))   # a longer match would not allow more tokens
         most = max_spec_len(max(need, self.anchors[-1]), k, spec_factor)
-        deep = min(len(pattern), max(need, self.max_match if max_match is None else max_match))
+        deep = min(len(pattern), max(need, max_match))
         for anchor, occ in self.occurrences(pattern):
             if best[1] >= most:
                 break           # no node can beat it: a path's score is at most its length
@@ -302,7 +302,7 @@ class SuffixCache:
         # how much of a cached request's prompt is kept in front of its output: enough for the
         # longest anchor to match a repeated prompt's end and propose the answer's first tokens
         self.prompt_context = max(self.anchors) if prompt_context is None else prompt_context
-        self.index = SuffixIndex(self.anchors, max_occurrences, max_match)
+        self.index = SuffixIndex(self.anchors, max_occurrences)
         self._lru: OrderedDict[int, int] = OrderedDict()   # doc id -> length, least recent first
         self._same: dict[int, int] = {}      # hash of a cached doc's tokens -> its doc id (see add)
         self._key_of: dict[int, int] = {}    # doc id -> that hash
@@ -350,7 +350,7 @@ class SuffixCache:
             self.cached_tokens -= n
         return doc_id
 
-    def best_path(self, pattern: Sequence[int], k: int, max_match: Optional[int] = None) -> tuple[list[int], float]:
+    def best_path(self, pattern: Sequence[int], k: int, max_match: int = MAX_MATCH) -> tuple[list[int], float]:
         path, score, docs = self.index.best_path(pattern, k, self.spec_factor, self.min_token_prob,
                                                  max_match=max_match)
         for d in docs:
@@ -372,7 +372,7 @@ class SuffixProposer:
         self._tokens: list[int] = []
 
     def _rebuild(self, tokens: Sequence[int]) -> None:
-        self._index = SuffixIndex(self.cache.anchors, self.cache.max_occurrences, self.max_match)
+        self._index = SuffixIndex(self.cache.anchors, self.cache.max_occurrences)
         self._index.extend(0, tokens)
         self._tokens = self._index.docs[0]
 
@@ -400,7 +400,8 @@ class SuffixProposer:
             return glob         # a path scores at most its length
         self._sync(tokens)
         assert self._index is not None
-        own, own_score, _ = self._index.best_path(pattern, k, c.spec_factor, c.min_token_prob, self_doc=0)
+        own, own_score, _ = self._index.best_path(pattern, k, c.spec_factor, c.min_token_prob, self_doc=0,
+                                                  max_match=self.max_match)
         return glob if glob_score >= own_score else own
 
     def finish(self, tokens: Optional[Sequence[int]] = None) -> None:
