@@ -204,6 +204,20 @@ def test_suffix_match_runs_past_the_anchors_to_pick_the_occurrence():
     assert shallow.start(seq).propose(seq, 8) == cont_b
 
 
+def test_own_index_catches_up_after_calls_the_cache_answered():
+    """While the global cache proposes full paths the request's own index is not updated; the
+    first call it does not answer must see every token since, as a fresh proposer would."""
+    cache = SuffixCache()
+    cache.start(PROMPT).finish(PROMPT + ANSWER)
+    inc = cache.start(PROMPT)
+    seq = list(PROMPT)
+    for t in ANSWER[:4]:                                       # the cache answers these calls
+        assert inc.propose(seq, 4) == cache.start(seq).propose(seq, 4)
+        seq.append(t)
+    seq += [900, 901, 902] + [900, 901]                        # diverges: only the own index knows this
+    assert inc.propose(seq, 4) == cache.start(seq).propose(seq, 4) == [902, 900]   # a 2-token match earns 2
+
+
 def test_aborted_request_is_not_cached():
     cache = SuffixCache()
     cache.start(PROMPT).finish(None)
