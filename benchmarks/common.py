@@ -652,6 +652,7 @@ def compile_counts(engine) -> dict:
 
 def build_engine(specs: list, progress: bool = False, **engine_kw):
     """Construct, load and warm an Engine; returns (engine, seconds spent)."""
+    from jax_engine import heap
     from jax_engine.config import EngineArgs
     from jax_engine.engine import Engine
 
@@ -659,6 +660,7 @@ def build_engine(specs: list, progress: bool = False, **engine_kw):
     t0 = time.perf_counter()
     engine = Engine(EngineArgs(models=specs, **engine_kw))
     engine.load_all(progress=progress)
+    heap.freeze()                      # as the server does once its models are warm
     return engine, time.perf_counter() - t0
 
 

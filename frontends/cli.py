@@ -464,6 +464,7 @@ async def serve(ns: argparse.Namespace, channel: Optional["StepChannel"] = None)
 
     from frontends.grpc.server import build_grpc_server, make_servicers, mark_not_serving
     from frontends.http.app import ServerMetrics, create_app
+    from jax_engine import heap
     from jax_engine.config import is_random_weights
     from jax_engine.engine import Engine
 
@@ -551,6 +552,7 @@ async def serve(ns: argparse.Namespace, channel: Optional["StepChannel"] = None)
         try:
             started = time.time()
             engine.load_all(progress=True)
+            heap.freeze()          # full garbage collections stop walking the warm engine (jax_engine/heap.py)
             outcome: Any = time.time() - started
         except BaseException as e:  # reported on the loop; the thread just ends
             outcome = e
@@ -653,6 +655,7 @@ def follower_main(args: Any, channel: "StepChannel") -> int:
     """
     import jax  # heavy: jax
 
+    from jax_engine import heap
     from jax_engine.config import resolve
     from jax_engine.engine import Engine
     from jax_engine.executor import multihost
@@ -670,6 +673,7 @@ def follower_main(args: Any, channel: "StepChannel") -> int:
             log.info("%s is an encoder: process 0 serves it alone", spec.name)
             continue
         engine.load_model_sync(spec, progress=False)
+    heap.freeze()
     runners = engine.decoder_runners()
     log.info("process %d ready: following process 0 for %s", jax.process_index(), ", ".join(runners) or "nothing")
     multihost.follow(runners, channel)

@@ -16,6 +16,7 @@ import uuid
 import weakref
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, TypeVar, Union
 
+from jax_engine import heap
 from jax_engine.config import EngineArgs, ModelSpec, ResolvedSpec, resolve
 from jax_engine.errors import (
     AlreadyExists,
@@ -137,6 +138,7 @@ class Engine:
             worker.warmup(progress=progress)
         with self._lock:
             self._workers[spec.name] = worker
+        heap.refreeze()
         return worker.info
 
     def start_model_sync(self, name: str) -> None:
@@ -157,6 +159,7 @@ class Engine:
             self.stop_model_sync(name)
         with self._lock:
             del self._workers[name]
+        heap.refreeze()
 
     async def load_model(self, spec: ModelSpec) -> ModelInfo:
         if self.args.model_root is None:

@@ -67,6 +67,9 @@ class Scheduler:
         self.total_generated_tokens = 0
         self._tp_window: deque = deque()   # (time, prefill_tokens, decode_tokens)
         self.last_progress = time.monotonic()
+        # the last step that ran, for the drafter's host-time measure: (its start, ms inside
+        # runner.step, whether it verified guesses); None after an idle wait (see step())
+        self._last_step: Optional[tuple[float, float, bool]] = None
 
     # ------------------------------------------------------------------ thread API
     def start(self) -> None:
@@ -120,6 +123,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop:
             if not (self.waiting or self.prefilling or self.running) and self._control.empty():
+                self._last_step = None
                 self._wake.wait(0.5)
                 self._wake.clear()
                 self.last_progress = time.monotonic()
@@ -160,6 +164,11 @@ class Scheduler:
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         t0 = time.perf_counter()
+        last, self._last_step = self._last_step, None
+        if last is not None and self.drafter is not None:
+            # the scheduler thread's own time for the step before this one: its planning, building
+            # rows and handling results, and whatever else held the GIL meanwhile
+            self.drafter.observe_host(last[2], (t0 - last[0]) * 1000.0 - last[1])
         self._admit()
         decoding = self._reserve_decode_pages()
         chunks = self._plan_chunks(self._step_budget(len(decoding)) - len(decoding))
@@ -168,7 +177,7 @@ class Scheduler:
             tokens = len(decoding) + guesses + sum(n for _, n in chunks)
             if tokens > self.budget:
                 self.burst_steps += 1
-            self._run_step(decoding, chunks)
+            self._run_step(decoding, chunks, t0, guesses > 0)
             if self.guard is not None:
                 buckets = self.runner.token_buckets
                 self.guard.observe(pick(buckets, min(max(1, tokens), buckets[-1])),
@@ -250,7 +259,7 @@ class Scheduler:
         greedy = all(s.req.params.temperature <= 0 for s in decoding)     # which cost table prices it
 
         def cost(tokens: int, spec: bool) -> float:
-            return self.runner.step_cost(tokens, spec, greedy)
+            return self.runner.step_cost(tokens, spec, greedy) + d.host_cost(spec)
         widths = self.runner.token_buckets
         could = d.choose([[0] * k for k in limits], tracks, len(decoding), room, cost, chunk_tokens, widths)
         props: list[list[int]] = []
@@ -321,7 +330,10 @@ class Scheduler:
             except Exception as e:
                 self._step_failed(group, e)
 
-    def _run_step(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]]) -> None:
+    def _run_step(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]], t0: float,
+                  verifies: bool) -> None:
+        """Build the step's rows, run it, hand each row its results (t0: when step() began;
+        verifies: whether any row carries guesses)."""
         rows: list[StepRow] = []
         # each group of sample rows, in the step's sample order: (its sequence, the guesses it verifies)
         owners: list[tuple[Sequence, list[int]]] = []
@@ -345,11 +357,14 @@ class Scheduler:
                                 lora_slot=seq.req.lora_slot))
             owners += [(s, []) for s in group]
         greedy = all(smp.sampling.temperature <= 0 for r in rows for smp in r.samples)
+        masks = self._masks(owners)
+        t_call = time.perf_counter()
         try:
-            res = self.runner.step(rows, greedy, self._masks(owners))
+            res = self.runner.step(rows, greedy, masks)
         except Exception as e:
             self._step_failed(decoding + [seq for seq, _ in chunks], e)
             return
+        self._last_step = (t0, (time.perf_counter() - t_call) * 1000.0, verifies)
         j = emitted = 0
         for seq in decoding:
             emitted += self._after_decode(seq, res, j)

@@ -14,7 +14,9 @@ expected to add outweigh what the wider step costs on this host:
   * `choose` adds guesses in order of that expected gain and keeps the prefix that maximises
     (decode tokens + expected accepted guesses) / step time, by at least MARGIN more than the
     step without guesses, the step time measured per token
-    bucket at warmup (runner.time_steps) and kept current from served steps (runner._observe).
+    bucket at warmup (runner.time_steps) and kept current from served steps (runner._observe),
+    plus the scheduler thread's own time per step, measured apart for steps with and without
+    guesses (observe_host).
     On an accelerator wider steps cost about the same and every good guess is kept; on a small
     CPU host only the likely ones are. Before the proposers run, the same pricing with every row
     offering all the guesses it may decides which rows are asked at all.
@@ -36,15 +38,17 @@ MAX_BACKOFF = 64
 EMA = 0.3          # weight of the latest verification in a sequence's acceptance average (0.5 let
                    # one full acceptance of sampled text lift q enough for 64-token steps that
                    # then emitted ~13 tokens: 8 rows at temperature 0.8, trained model)
-MARGIN = 0.1       # how much more tokens per ms guesses must promise than the step without them:
-                   # a verifying step also costs host work outside the program (accepting and
-                   # rolling back, updating the proposers) that the step-time table does not see.
-                   # 8 sampled streams (temperature 0.8) of the trained model, 2-vCPU Intel Xeon,
-                   # alternating runs,
-                   # suffix vs off: 0.92 / 0.93x with 0.1 against 0.79 / 0.80x with none;
-                   # repeat 1.57 / 1.53x against 1.56 / 1.59x
+MARGIN = 0.03      # how much more tokens per ms guesses must promise than the step without them,
+                   # against the noise of the measured costs (the host work a verifying step adds
+                   # is measured: observe_host)
+HOST_EMA = 0.05    # weight of one step in the host-time averages (observe_host): ~20 steps
 EXPLORE_EVERY = 64  # steps without a verified guess after which one step verifies a few anyway
+MAX_EXPLORE_EVERY = 512   # that interval doubles after each exploration the pricing did not follow
 EXPLORE_GUESSES = 4  # guesses per row in that step (see Drafter.exploring)
+EXPLORE_PRIOR = 2.0  # an exploration that accepted every guess counts the drafter's prior as this
+                     # many trials: on its own, 4 of 4 accepted put q at 1.0, and 8 sampled streams of the
+                     # trained model (per-guess acceptance ~0.56) then bet 8 guesses a row on text
+                     # that took ~2 of them (steps of 30-40 tokens at ~3x a plain step's time)
 IDLE_PLANS = 8     # planned steps in a row without a guess before planning pauses (Drafter.gate)
 PRIOR_Q = 0.7      # the first sequences' guess acceptance chance, before any verification
 PRIOR_EMA = 0.02   # weight of one verification in the drafter's acceptance average, which later
@@ -80,6 +84,8 @@ class Drafter:
     gate_pause: int = 0                        # steps left that skip planning altogether (see gate)
     gate_backoff: int = MIN_BACKOFF
     unverified_steps: int = 0                  # steps since one verified a guess (see exploring)
+    explore_every: int = EXPLORE_EVERY         # the current exploration interval (see exploring)
+    host_ms: list[Optional[float]] = field(default_factory=lambda: [None, None])  # see observe_host
 
     def __post_init__(self) -> None:
         if self.speculator is None:
@@ -127,13 +133,22 @@ class Drafter:
         a low prior, or back from a pause at min_accept_rate, then never guessed again, and a
         repeated workload at batch 8 ran without speculation for whole rounds (spec_decode, b8
         repeat: 2 of 4 rounds with no guess verified). One such step every EXPLORE_EVERY steps
-        without a verified guess costs ~2 % there (a 40-token step instead of an 8-token one)."""
-        return self.unverified_steps >= EXPLORE_EVERY
+        without a verified guess costs ~2 % there (a 40-token step instead of an 8-token one).
+
+        Where explorations find nothing the pricing then keeps, the interval doubles after each
+        (64, 128, ... MAX_EXPLORE_EVERY steps) and a priced step with guesses resets it: on 8
+        sampled streams of the trained model (2-vCPU Xeon), explorations every 64 steps were ~11
+        steps of ~5 ms in a pass of ~390 plain ~1.9 ms ones, ~4 % of its time for nothing."""
+        return self.unverified_steps >= self.explore_every
 
     def planned(self, guesses: int) -> None:
         """The step planned by the scheduler verifies `guesses` guesses (see gate)."""
-        if guesses > 0 or self.exploring():     # an exploration that found nothing to guess waits too
+        if self.exploring():         # an exploration (also one that found nothing to guess) waits longer
             self.unverified_steps = 0
+            self.explore_every = min(MAX_EXPLORE_EVERY, self.explore_every * 2)
+        elif guesses > 0:
+            self.unverified_steps = 0
+            self.explore_every = EXPLORE_EVERY
         if guesses > 0:
             self.idle_plans, self.gate_backoff = 0, MIN_BACKOFF
             return
@@ -141,6 +156,26 @@ class Drafter:
         if self.idle_plans >= IDLE_PLANS:
             self.gate_pause = self.gate_backoff
             self.gate_backoff = min(MAX_BACKOFF, self.gate_backoff * 2)
+
+    def observe_host(self, verified: bool, ms: float) -> None:
+        """A served step's time on the scheduler thread outside the step program's call (planning,
+        proposing, building rows, accepting and emitting tokens, and whatever else held the GIL
+        meanwhile), kept as an average apart for steps that verified guesses and steps that did
+        not. A verifying step costs more there, and the step-time table (timed on the program
+        call alone) does not see it: 8 sampled streams of the trained model (2-vCPU Xeon) spent
+        0.73-0.91 ms a verifying step outside the call against 0.28-0.36 ms a plain one, a
+        quarter of the plain step's 1.96 ms period, where a flat 10 % margin had stood in for it."""
+        i = int(verified)
+        old = self.host_ms[i]
+        self.host_ms[i] = ms if old is None else old + HOST_EMA * (ms - old)
+
+    def host_cost(self, verified: bool) -> float:
+        """The measured host ms a step adds beside its program (observe_host); a verifying step
+        not yet measured is priced as a plain one, 0 before any step."""
+        ms = self.host_ms[int(verified)]
+        if ms is None:
+            ms = self.host_ms[0]
+        return 0.0 if ms is None else ms
 
     def ready(self, track: SpecTrack) -> bool:
         """Whether the sequence may propose this step; while it pauses, False and one step less
@@ -170,7 +205,10 @@ class Drafter:
         self.hist[min(accepted, self.max_tokens)] += 1
         trials = accepted + (1 if accepted < proposed else 0)
         if track.explored:             # an exploration is a fresh estimate, not one more sample
-            track.rate, track.explored = accepted / trials, False
+            # (one that saw no failure only bounds q from below: the prior weighs in)
+            track.rate = (accepted / trials if accepted < proposed else
+                          (accepted + EXPLORE_PRIOR * self.prior) / (trials + EXPLORE_PRIOR))
+            track.explored = False
         else:
             track.rate = (1 - EMA) * track.rate + EMA * accepted / trials
         self.prior = (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * accepted / trials
@@ -187,7 +225,7 @@ class Drafter:
         """How many of each row's guesses to verify (see the module docstring): the prefix of all
         guesses, in order of expected gain q^i, that maximises (work + expected accepted) /
         cost(base + guesses, True), against work / cost(base, False) without any (raised by
-        MARGIN: host work a verifying step adds outside the program), where the base
+        MARGIN against noise; the caller's cost includes the measured host time), where the base
         is the step's decode tokens and its `chunk_tokens` prefill tokens and the work counts each
         of them once (a prompt token done now is one not done later); at most `room` guesses.
 

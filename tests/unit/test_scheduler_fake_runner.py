@@ -473,6 +473,45 @@ def test_guesses_take_only_the_room_prompt_chunks_leave():
     assert sched.pool.num_used() == 0 and sorted(sched.free_slots) == list(range(sched.max_running))
 
 
+def test_host_time_of_verifying_steps_is_measured_and_priced(monkeypatch):
+    """The scheduler measures its own time per step outside the step program's call, apart for
+    steps with and without guesses, and the planner prices guesses with it (on a fake clock: the
+    program takes 2 ms, proposing 5 ms). Every width costs the same on the program table, so only
+    the measured host time can stop guessing: after the first verifying step it does (its 5
+    tokens would come in 7 ms against 1 in 2), though every guess is right."""
+    import time as real_time
+
+    from jax_engine.decode import scheduler as scheduler_mod
+    from jax_engine.decode.speculate import Drafter
+
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0],
+                                                               monotonic=real_time.monotonic))
+
+    class SlowProposer(_CountingProposer):
+        def propose(self, tokens, k):
+            clock[0] += 0.005
+            return super().propose(tokens, k)
+
+    class TimedRunner(SpecFakeRunner):
+        def step(self, rows, greedy, masks=None):
+            clock[0] += 0.002
+            return super().step(rows, greedy, masks)
+
+    runner = TimedRunner(max_batched_tokens=16)
+    drafter = Drafter("ngram", 4, speculator=SimpleNamespace(start=lambda prompt, greedy=True: SlowProposer()))
+    sched = Scheduler(runner, PagePool(64, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake",
+                      drafter=drafter)
+    runner.sched = sched
+    outs = submit(sched, "a", [10, 11, 12], 40)
+    run(sched)
+    assert tokens(outs) == list(range(13, 53))
+    verifying = [st for st in runner.steps if any(smp.draft >= 0 for r in st.rows for smp in r.samples)]
+    assert len(verifying) == 1 and drafter.verify_rows == 1
+    assert drafter.host_ms[0] == 0.0 and abs(drafter.host_ms[1] - 5.0) < 1e-9
+    assert drafter.host_cost(True) > drafter.host_cost(False)
+
+
 # ------------------------------------------------------------------ the latency guard
 def make_guarded(guard: LatencyGuard) -> Scheduler:
     """A scheduler over the fake runner with a 16-token budget and a 64-token burst budget."""
