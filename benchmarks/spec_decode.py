@@ -8,7 +8,7 @@ weights would mean nothing. Its training window is 256 tokens, so prompt + answe
 Engines: three in-process `Engine`s over that folder, alive for the whole run, the server's CPU
 defaults otherwise (token budget 64, prefix cache on, programs compiled ahead of time):
   off     --speculative off
-  ngram   --speculative ngram  --num-speculative-tokens K (default 8, the server default)
+  ngram   --speculative ngram  --num-speculative-tokens K (default 16, the server default)
   suffix  --speculative suffix --num-speculative-tokens K
 max_running_requests 8, max_model_len 512.
 
@@ -44,7 +44,7 @@ CPU, while the 500 MB 'small' model is bandwidth-bound at batch 1 (a 4-token ste
 warmup against 18 ms for 1 token on the reference machine). At batch 8 both are compute-bound on
 2 cores (the 'small' model: 31 ms for 8 tokens, 89 ms for 32).
 
-Run:  python -m benchmarks.spec_decode [--quick] [--k 8] [--rounds 3] [--batches 1,8] [--model small]
+Run:  python -m benchmarks.spec_decode [--quick] [--k 16] [--rounds 3] [--batches 1,8] [--model small]
 Writes benchmarks/results/spec_decode.json (+ _quick), spec_decode.png and spec_decode_accept.png.
 """
 from __future__ import annotations
@@ -183,9 +183,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from jax_engine.config import EngineArgs
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--k", type=int, default=8, help="--num-speculative-tokens of the speculating engines")
+    ap.add_argument("--k", type=int, default=EngineArgs.num_speculative_tokens,
+                    help="--num-speculative-tokens of the speculating engines (default: the server's)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per workload (default 3; quick 1)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=None, help="answer length (default 128; quick 48)")

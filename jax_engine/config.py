@@ -79,7 +79,10 @@ class EngineArgs:
     max_lora_rank: int = 64                   # adapters of a higher rank are refused
     # speculative decoding without a draft model (jax_engine/spec, jax_engine/decode/speculate.py)
     speculative: str = "off"                  # off | ngram | suffix
-    num_speculative_tokens: int = 8           # most guesses per row and step (1..MAX_SPECULATIVE_TOKENS)
+    # most guesses per row and step (1..MAX_SPECULATIVE_TOKENS); the planner keeps per step only
+    # those that pay, so the cap matters where text repeats: 8 repeated greedy streams of the
+    # trained benchmark model ran 2.75x faster than without speculation with 16, ~2.3x with 8
+    num_speculative_tokens: int = 16
 
 
 CPU_TOKEN_BUDGET = 64

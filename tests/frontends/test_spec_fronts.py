@@ -81,7 +81,7 @@ def test_cli_speculative_flags(tmp_path, monkeypatch):
     model = tmp_path / "m"
     model.mkdir()
     args = engine_args(parse_serve_args(["--model", f"g={model}"]))
-    assert (args.speculative, args.num_speculative_tokens) == ("off", 8)
+    assert (args.speculative, args.num_speculative_tokens) == ("off", 16)
     args = engine_args(parse_serve_args(["--model", f"g={model}", "--speculative", "suffix",
                                          "--num-speculative-tokens", "3"]))
     assert (args.speculative, args.num_speculative_tokens) == ("suffix", 3)

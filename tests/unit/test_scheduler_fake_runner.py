@@ -473,6 +473,35 @@ def test_guesses_take_only_the_room_prompt_chunks_leave():
     assert sched.pool.num_used() == 0 and sorted(sched.free_slots) == list(range(sched.max_running))
 
 
+def test_guesses_of_a_decode_only_step_may_pass_the_latency_budget():
+    """Three rows at K = 8 want 27 tokens, over the 16-token latency budget: with no prompt in the
+    step they get them (up to the largest step program, 32 here); while a prompt is chunked beside
+    them, guesses only get what the chunks leave of the budget."""
+    from jax_engine.decode.speculate import Drafter
+
+    runner = SpecFakeRunner(max_batched_tokens=16)
+    runner.max_tokens = 32                          # a burst budget above the latency budget
+    drafter = Drafter("ngram", 8, speculator=SimpleNamespace(start=lambda prompt, greedy=True: _CountingProposer()))
+    sched = Scheduler(runner, PagePool(64, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake",
+                      drafter=drafter)
+    runner.sched = sched
+    outs = [submit(sched, f"r{i}", [10 * i + 1, 10 * i + 2], 40) for i in range(3)]
+    run(sched)
+    assert [tokens(o) for o in outs] == [list(range(10 * i + 3, 10 * i + 43)) for i in range(3)]
+    decode_only = [st for st in runner.steps if not st.chunks and len(st.rows) == 3]
+    assert max(st.num_tokens for st in decode_only) == 27 > sched.budget
+    more = [submit(sched, f"s{i}", [10 * i + 1, 10 * i + 2], 30) for i in range(2)]
+    sched._drain_control()
+    for _ in range(3):                              # both decode (and guess) before the prompt comes
+        sched.step()
+    n = len(runner.steps)
+    longer = submit(sched, "long", list(range(100, 160)), 3)
+    run(sched)
+    assert tokens(longer) == [160, 161, 162] and all(tokens(o) for o in more)
+    mixed = [st for st in runner.steps[n:] if st.chunks and st.running]
+    assert mixed and all(st.num_tokens <= sched.budget for st in mixed)
+
+
 def test_host_time_of_verifying_steps_is_measured_and_priced(monkeypatch):
     """The scheduler measures its own time per step outside the step program's call, apart for
     steps with and without guesses, and the planner prices guesses with it (on a fake clock: the

@@ -218,6 +218,39 @@ def test_own_index_catches_up_after_calls_the_cache_answered():
     assert inc.propose(seq, 4) == cache.start(seq).propose(seq, 4) == [902, 900]   # a 2-token match earns 2
 
 
+def test_a_greedy_sequence_follows_the_cached_answer_without_searching(monkeypatch):
+    """A greedy sequence repeating a cached answer gets each next proposal read off the
+    occurrence its last one copied, as long as it still matches there (the same tokens a fresh
+    search proposes, without the search); when it diverges it searches again. A sampled sequence
+    always searches (its rule is frequency, not one occurrence)."""
+    rng = random.Random(5)
+    answer = [rng.randrange(300, 400) for _ in range(150)]
+    cache = SuffixCache()
+    cache.start(PROMPT).finish(PROMPT + answer)
+    searches = []
+    search = SuffixIndex.best_path
+    monkeypatch.setattr(SuffixIndex, "best_path", lambda self, *a, **k: searches.append(1) or search(self, *a, **k))
+    for greedy in (True, False):
+        inc = cache.start(PROMPT, greedy=greedy)
+        seq = list(PROMPT)
+        calls = 0
+        while len(seq) < len(PROMPT) + 120:
+            n = len(seq) - len(PROMPT)
+            before = len(searches)
+            got = inc.propose(seq, 8)
+            calls += len(searches) > before
+            assert got == answer[n:n + 8]
+            seq += got + [answer[n + len(got)]]              # all accepted, and the model's next token
+        assert calls == (1 if greedy else 14)
+    inc = cache.start(PROMPT)
+    seq = PROMPT + answer[:20]
+    assert inc.propose(seq, 8) == answer[20:28]
+    seq += [999, 998]                                         # diverges: no cached occurrence matches
+    before = len(searches)
+    assert inc.propose(seq, 8) == cache.start(seq).propose(seq, 8)
+    assert len(searches) > before
+
+
 def test_aborted_request_is_not_cached():
     cache = SuffixCache()
     cache.start(PROMPT).finish(None)
