@@ -19,7 +19,10 @@
 // 48 of the 16 registers (a 2-3 row tile would fit; not done, choose.py keeps XLA there if slower).
 //
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -40,6 +43,95 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+namespace xlaserve_cpu {
+
+// Helper threads of our own for parallel_for's small calls (see kOwnRows), one fewer than XLA's
+// intra-op pool has (one worker per core with the calling thread). After a task each waits
+// kHelperSpin (yielding its core) before it sleeps, so the next call of a program (a layer's
+// next matrix, a few microseconds of XLA work later) finds it awake. Why: XLA's pool threads
+// park between tasks, and a helper scheduled there started tens of microseconds into a call
+// that lasts 50-250 us at decode sizes, while the caller did the work alone. Only one call at a
+// time holds the helpers; a call made while another program's call holds them uses XLA's pool.
+struct HelperTask {
+  virtual ~HelperTask() = default;
+  virtual void work() = 0;
+};
+
+class Helpers {
+ public:
+  static constexpr std::chrono::microseconds kHelperSpin{50};
+
+  // One set per process: both objects of the build (XLASERVE_PART) share it, since this is an
+  // inline function with external linkage; its threads live as long as the process.
+  static Helpers& get(int64_t n) {
+    static Helpers* h = new Helpers(n);
+    return *h;
+  }
+  int64_t size() const { return n_; }
+  // Hands `task` to the helpers; false when another call holds them.
+  bool offer(std::shared_ptr<HelperTask> task) {
+    bool idle = false;
+    if (n_ == 0 || !busy_.compare_exchange_strong(idle, true)) return false;
+    {
+      std::lock_guard<std::mutex> g(slot_mu_);
+      slot_ = std::move(task);
+    }
+    epoch_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> g(sleep_mu_);
+      wake_.notify_all();
+    }
+    return true;
+  }
+  void release() {
+    {
+      std::lock_guard<std::mutex> g(slot_mu_);
+      slot_.reset();
+    }
+    busy_.store(false);
+  }
+
+ private:
+  explicit Helpers(int64_t n) : n_(n) {
+    for (int64_t i = 0; i < n; ++i) std::thread([this] { loop(); }).detach();
+  }
+  void loop() {
+    uint64_t seen = epoch_.load();
+    for (;;) {
+      auto since = std::chrono::steady_clock::now();
+      uint64_t e;
+      for (int spins = 1; (e = epoch_.load(std::memory_order_acquire)) == seen; ++spins) {
+        std::this_thread::yield();      // the core goes to any other runnable thread (XLA's pool)
+        if (spins % 16 == 0 && std::chrono::steady_clock::now() - since > kHelperSpin) {
+          std::unique_lock<std::mutex> lk(sleep_mu_);
+          sleepers_.fetch_add(1);
+          wake_.wait(lk, [&] { return epoch_.load() != seen; });
+          sleepers_.fetch_sub(1);
+          since = std::chrono::steady_clock::now();
+        }
+      }
+      seen = e;
+      std::shared_ptr<HelperTask> task;
+      {
+        std::lock_guard<std::mutex> g(slot_mu_);
+        task = slot_;
+      }
+      if (task) task->work();
+    }
+  }
+
+  const int64_t n_;
+  std::atomic<bool> busy_{false};
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int> sleepers_{0};
+  std::mutex slot_mu_, sleep_mu_;
+  std::condition_variable wake_;
+  std::shared_ptr<HelperTask> slot_;
+};
+
+}  // namespace xlaserve_cpu
+
 
 namespace {
 
@@ -236,22 +328,32 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
   scale_columns(scale, out, ldo, M);
 }
 
-// Runs fn(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Items are claimed
-// from an atomic counter; the caller waits only for items already claimed, so a task that starts
-// late (or runs inline) never blocks it. The caller works too, so it asks the pool for one helper
-// fewer than the pool's size: one worker per core. Why: with a helper per pool thread, a call
-// made from a thread outside the pool (XLA's client thread runs a program's loop) put three
-// busy threads on a 2-vCPU host, and the helpers started 75-155 us late on average. Scheduling
-// one fewer (2-vCPU Zen 5, same-run A/B, ms): all-MiniLM-L6-v2's 24-token program 3.74-4.13 ->
-// 3.27-3.74; one layer's 768 x 2048 GEMM at M = 1 0.067-0.075 -> 0.042-0.043, at M = 16
-// 0.150-0.173 -> 0.135-0.143; 2048 rows level (14.5-17.3 either way).
+// Runs fn(i) for i in [0, n) on the calling thread and helper threads (Helpers, or XLA's
+// intra-op pool while another call holds those). Items are claimed from an atomic counter; the
+// caller waits only for items already claimed, so a helper that starts late (or not at all)
+// never blocks it. The caller works too, so one helper fewer than the pool's size: one worker
+// per core. Why: with a helper per pool thread, a call made from a thread outside the pool
+// (XLA's client thread runs a program's loop) put three busy threads on a 2-vCPU host, and the
+// helpers started 75-155 us late on average. Scheduling one fewer (2-vCPU Zen 5, same-run A/B,
+// ms): all-MiniLM-L6-v2's 24-token program 3.74-4.13 -> 3.27-3.74; one layer's 768 x 2048 GEMM
+// at M = 1 0.067-0.075 -> 0.042-0.043, at M = 16 0.150-0.173 -> 0.135-0.143; 2048 rows level
+// (14.5-17.3 either way).
+// Calls over at most this many rows (tokens) take their helpers from Helpers, larger ones from
+// XLA's pool. Measured on a 2-vCPU AMX Xeon, same-run A/B against XLA's pool for every call: the
+// 'small' model's float32 decode step at batch 1 16.3-16.8 -> 15.6-15.8 ms, at batch 16
+// 28.5-29.1 -> 28.2-28.6 ms; but all-MiniLM-L6-v2 at 32 sentences (1,280-token programs) 257-262
+// -> 236-239 sentences/s with our helpers for every call: XLA's own parallel fusions between the
+// calls (LayerNorm, residuals) took twice as long with its pool threads parked meanwhile.
+constexpr int64_t kOwnRows = 64;
+
 template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, bool inline_only = false) {
-  struct Shared {
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, bool inline_only = false,
+                  bool own_helpers = false) {
+  struct Shared : xlaserve_cpu::HelperTask {
     F fn; int64_t n, per_claim;
     std::atomic<int64_t> next{0}, done{0};
     Shared(F f, int64_t n_, int64_t c) : fn(std::move(f)), n(n_), per_claim(c) {}
-    void work() {
+    void work() override {
       for (;;) {
         const int64_t i0 = next.fetch_add(per_claim, std::memory_order_relaxed);
         if (i0 >= n) return;
@@ -269,9 +371,13 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, boo
   auto sh = std::make_shared<Shared>(std::move(fn), n, std::max<int64_t>(per_claim, 1));
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t helpers = std::min<int64_t>(threads - 1, (n + sh->per_claim - 1) / sh->per_claim - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { sh->work(); });
+  xlaserve_cpu::Helpers& own = xlaserve_cpu::Helpers::get(threads - 1);
+  const bool held = own_helpers && helpers > 0 && own.offer(sh);
+  if (!held)
+    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { sh->work(); });
   sh->work();
   while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  if (held) own.release();
 }
 
 // y [M, N] = every (row chunk, panel) tile, each computed by tile(t, m0, rows, out, ldo) into
@@ -293,7 +399,7 @@ void for_each_panel(ffi::ThreadPool& pool, int64_t M, int64_t cap, int64_t P, in
     tile(t, m0, rows, scratch.data(), kTile);
     for (int64_t m = 0; m < rows; ++m)
       std::memcpy(yr + m * N + n0, scratch.data() + m * kTile, (N - n0) * sizeof(float));
-  });
+  }, false, M <= kOwnRows);
 }
 
 // The rows of x to compute: all M, or with a two-element layer operand [layer, rows] the first
@@ -1088,7 +1194,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, Rank4 q, Rank4 kc, Rank4 vc
           for (int64_t g = 0; g < G; ++g) axpy(ob + (hh * G + g) * D, s[(hh * G + g) * n + j], vr + hh * D, D);
       }
     }
-  }, small);
+  }, small, B <= kOwnRows);
   return ffi::Error::Success();
 }
 
@@ -1311,7 +1417,7 @@ ffi::Error EncoderAttentionImpl(ffi::ThreadPool pool, Rank3 qkv, I32x2 mask, int
       if (mb[j] > 0) keys.push_back(j);
       else std::fill(ob + j * HD, ob + j * HD + D, 0.f);
     encoder_attend(qp + b * S * row + h * D, row, keys.data(), static_cast<int64_t>(keys.size()), D, HD, scale, ob, HD);
-  }, small);
+  }, small, B * S <= kOwnRows);
   return ffi::Error::Success();
 }
 
@@ -1343,10 +1449,11 @@ ffi::Error EncoderAttentionVarlenImpl(ffi::ThreadPool pool, Rank2 qkv, I32x1 sta
   // one sequence per token), so a 32-sentence program of 1,280 tokens had 15,360 (slot, head)
   // items of which 384 held work; claiming the empty ones took as long as the attention
   // (all-MiniLM-L6-v2 per layer, 2-vCPU AMX Xeon: 2.25 -> 1.02 ms).
-  int64_t work = 0;
+  int64_t work = 0, tokens = 0;
   std::vector<int64_t> live;
   for (int64_t s = 0; s < S; ++s) {
     work += int64_t{ln[s]} * ln[s];
+    tokens += ln[s];
     if (ln[s] > 0) live.push_back(s);
   }
   const int64_t* lv = live.data();
@@ -1355,7 +1462,7 @@ ffi::Error EncoderAttentionVarlenImpl(ffi::ThreadPool pool, Rank2 qkv, I32x1 sta
     std::vector<int64_t> keys(n);
     for (int64_t j = 0; j < n; ++j) keys[j] = st[s] + j;
     encoder_attend(qp + h * D, row, keys.data(), n, D, HD, scale, op + h * D, HD);
-  }, work * H * D < (int64_t{1} << 18));
+  }, work * H * D < (int64_t{1} << 18), tokens <= kOwnRows);
   return ffi::Error::Success();
 }
 
