@@ -368,9 +368,9 @@ class Scheduler:
                                 lora_slot=seq.req.lora_slot))
             owners += [(s, []) for s in group]
         greedy = all(smp.sampling.temperature <= 0 for r in rows for smp in r.samples)
-        masks = self._masks(owners)
-        t_call = time.perf_counter()
         try:
+            masks = self._masks(owners)
+            t_call = time.perf_counter()
             res = self.runner.step(rows, greedy, masks)
         except Exception as e:
             self._step_failed(decoding + [seq for seq, _ in chunks], e)
