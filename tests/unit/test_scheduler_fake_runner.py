@@ -444,17 +444,23 @@ class _CountingProposer:
         pass
 
 
+def spec_scheduler(runner: SpecFakeRunner, k: int, proposer=_CountingProposer):
+    """A Scheduler over `runner` with an n-gram Drafter of K = k whose sequences get `proposer()`."""
+    from jax_engine.decode.speculate import Drafter
+
+    drafter = Drafter("ngram", k, speculator=SimpleNamespace(start=lambda prompt, greedy=True: proposer()))
+    sched = Scheduler(runner, PagePool(64, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake",
+                      drafter=drafter)
+    runner.sched = sched
+    return sched, drafter
+
+
 def test_guesses_take_only_the_room_prompt_chunks_leave():
     """Prefill chunks are planned before guesses: a prompt arriving while a sequence speculates
     is chunked exactly as without speculation (budget minus the decode tokens), and the
     guesses fill what is left of the budget (scheduler._plan_drafts)."""
-    from jax_engine.decode.speculate import Drafter
-
     runner = SpecFakeRunner(max_batched_tokens=16)
-    drafter = Drafter("ngram", 4, speculator=SimpleNamespace(start=lambda prompt, greedy=True: _CountingProposer()))
-    sched = Scheduler(runner, PagePool(64, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake",
-                      drafter=drafter)
-    runner.sched = sched
+    sched, drafter = spec_scheduler(runner, 4)
     short = submit(sched, "short", [10, 11, 12], 30)
     sched._drain_control()
     sched.step()                                    # prompt + first token
@@ -477,14 +483,9 @@ def test_guesses_of_a_decode_only_step_may_pass_the_latency_budget():
     """Three rows at K = 8 want 27 tokens, over the 16-token latency budget: with no prompt in the
     step they get them (up to the largest step program, 32 here); while a prompt is chunked beside
     them, guesses only get what the chunks leave of the budget."""
-    from jax_engine.decode.speculate import Drafter
-
     runner = SpecFakeRunner(max_batched_tokens=16)
     runner.max_tokens = 32                          # a burst budget above the latency budget
-    drafter = Drafter("ngram", 8, speculator=SimpleNamespace(start=lambda prompt, greedy=True: _CountingProposer()))
-    sched = Scheduler(runner, PagePool(64, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake",
-                      drafter=drafter)
-    runner.sched = sched
+    sched, drafter = spec_scheduler(runner, 8)
     outs = [submit(sched, f"r{i}", [10 * i + 1, 10 * i + 2], 40) for i in range(3)]
     run(sched)
     assert [tokens(o) for o in outs] == [list(range(10 * i + 3, 10 * i + 43)) for i in range(3)]
@@ -511,7 +512,6 @@ def test_host_time_of_verifying_steps_is_measured_and_priced(monkeypatch):
     import time as real_time
 
     from jax_engine.decode import scheduler as scheduler_mod
-    from jax_engine.decode.speculate import Drafter
 
     clock = [0.0]
     monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0],
@@ -528,10 +528,7 @@ def test_host_time_of_verifying_steps_is_measured_and_priced(monkeypatch):
             return super().step(rows, greedy, masks)
 
     runner = TimedRunner(max_batched_tokens=16)
-    drafter = Drafter("ngram", 4, speculator=SimpleNamespace(start=lambda prompt, greedy=True: SlowProposer()))
-    sched = Scheduler(runner, PagePool(64, runner.rc.page_size), eos_ids=set(), max_model_len=256, name="fake",
-                      drafter=drafter)
-    runner.sched = sched
+    sched, drafter = spec_scheduler(runner, 4, SlowProposer)
     outs = submit(sched, "a", [10, 11, 12], 40)
     run(sched)
     assert tokens(outs) == list(range(13, 53))
