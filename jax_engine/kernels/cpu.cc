@@ -22,9 +22,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 #include <algorithm>
@@ -68,7 +68,6 @@ class Helpers {
     static Helpers* h = new Helpers(n);
     return *h;
   }
-  int64_t size() const { return n_; }
   // Hands `task` to the helpers; false when another call holds them.
   bool offer(std::shared_ptr<HelperTask> task) {
     bool idle = false;
@@ -328,6 +327,14 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
   scale_columns(scale, out, ldo, M);
 }
 
+// Calls over at most this many rows (tokens) take their helpers from Helpers, larger ones from
+// XLA's pool. Measured on a 2-vCPU AMX Xeon, same-run A/B against XLA's pool for every call: the
+// 'small' model's float32 decode step at batch 1 16.3-16.8 -> 15.6-15.8 ms, at batch 16
+// 28.5-29.1 -> 28.2-28.6 ms; but all-MiniLM-L6-v2 at 32 sentences (1,280-token programs) 257-262
+// -> 236-239 sentences/s with our helpers for every call: XLA's own parallel fusions between the
+// calls (LayerNorm, residuals) took twice as long with its pool threads parked meanwhile.
+constexpr int64_t kOwnRows = 64;
+
 // Runs fn(i) for i in [0, n) on the calling thread and helper threads (Helpers, or XLA's
 // intra-op pool while another call holds those). Items are claimed from an atomic counter; the
 // caller waits only for items already claimed, so a helper that starts late (or not at all)
@@ -338,14 +345,6 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
 // ms): all-MiniLM-L6-v2's 24-token program 3.74-4.13 -> 3.27-3.74; one layer's 768 x 2048 GEMM
 // at M = 1 0.067-0.075 -> 0.042-0.043, at M = 16 0.150-0.173 -> 0.135-0.143; 2048 rows level
 // (14.5-17.3 either way).
-// Calls over at most this many rows (tokens) take their helpers from Helpers, larger ones from
-// XLA's pool. Measured on a 2-vCPU AMX Xeon, same-run A/B against XLA's pool for every call: the
-// 'small' model's float32 decode step at batch 1 16.3-16.8 -> 15.6-15.8 ms, at batch 16
-// 28.5-29.1 -> 28.2-28.6 ms; but all-MiniLM-L6-v2 at 32 sentences (1,280-token programs) 257-262
-// -> 236-239 sentences/s with our helpers for every call: XLA's own parallel fusions between the
-// calls (LayerNorm, residuals) took twice as long with its pool threads parked meanwhile.
-constexpr int64_t kOwnRows = 64;
-
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, bool inline_only = false,
                   bool own_helpers = false) {
@@ -371,13 +370,13 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t per_claim, F fn, boo
   auto sh = std::make_shared<Shared>(std::move(fn), n, std::max<int64_t>(per_claim, 1));
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t helpers = std::min<int64_t>(threads - 1, (n + sh->per_claim - 1) / sh->per_claim - 1);
-  xlaserve_cpu::Helpers& own = xlaserve_cpu::Helpers::get(threads - 1);
-  const bool held = own_helpers && helpers > 0 && own.offer(sh);
+  xlaserve_cpu::Helpers* own = own_helpers && helpers > 0 ? &xlaserve_cpu::Helpers::get(threads - 1) : nullptr;
+  const bool held = own != nullptr && own->offer(sh);
   if (!held)
     for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { sh->work(); });
   sh->work();
   while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-  if (held) own.release();
+  if (held) own->release();
 }
 
 // y [M, N] = every (row chunk, panel) tile, each computed by tile(t, m0, rows, out, ldo) into
@@ -1481,23 +1480,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmF32, GemmImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasF32, GemmBiasImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<Panels>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// x, w, layer, bias -> y: the binding both bias GEMMs share
+inline auto gemm_bias_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<Panels>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasGeluF32, GemmBiasImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<Panels>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasF32, GemmBiasImpl<false>, gemm_bias_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasGeluF32, GemmBiasImpl<true>, gemm_bias_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8, GemmI8Impl,
                               ffi::Ffi::Bind()
