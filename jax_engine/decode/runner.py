@@ -173,6 +173,34 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_data(0))
 
 
+def time_passes(rows: dict[tuple[int, bool, bool], list[StepRow]],
+                step: Callable[[list[StepRow], bool], object], repeats: int, passes: int = 2,
+                clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, bool, bool], float]:
+    """Best ms of step(rows, greedy) per (token bucket, spec, greedy) key: `passes` passes over
+    all keys, each timing a key `repeats` times back to back (time_steps: why)."""
+    best = {key: math.inf for key in rows}
+    for _ in range(passes):
+        for key, r in rows.items():
+            for _ in range(repeats):
+                t0 = clock()
+                step(r, key[2])
+                best[key] = min(best[key], (clock() - t0) * 1000.0)
+    return best
+
+
+def monotone_costs(ms: dict[tuple[int, bool, bool], float], buckets: list[int]) -> dict[tuple[int, bool, bool], float]:
+    """The table made monotone from above (time_steps: why): walking from the widest bucket
+    down, an entry is lowered to the cheapest wider one, a plain entry to its spec one."""
+    out = dict(ms)
+    for greedy in (True, False):
+        ceiling = math.inf
+        for T in reversed(buckets):
+            for spec in (True, False):
+                if (T, spec, greedy) in out:
+                    ceiling = out[(T, spec, greedy)] = min(ceiling, out[(T, spec, greedy)])
+    return out
+
+
 def pick(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -634,10 +662,10 @@ class ModelRunner:
         if self.rc.spec_tokens > 0 and self.mirror is None and jax.process_count() == 1:
             self.time_steps()
 
-    def time_steps(self, repeats: int = 5, context: int = 256) -> None:
+    def time_steps(self, repeats: int = 3, context: int = 256) -> None:
         """Speculation's cost model: the wall time of a whole `step` call (argument building,
         transfer, the program, fetching the tokens) per token bucket, plain and "spec", greedy
-        and sampled, best of `repeats`, in ms by (token bucket, spec, greedy), on dummy rows at
+        and sampled, best of 2 x `repeats`, in ms by (token bucket, spec, greedy), on dummy rows at
         `context` positions: min(T, max_running) rows sharing the bucket's tokens, every position
         sampled in a spec step (as verification does). How many guesses a step should carry
         depends on what a wider step costs on this host: on the 2-core reference machine the
@@ -650,29 +678,25 @@ class ModelRunner:
         2.61 / 3.52); with the greedy table the planner kept guesses that did not pay for
         sampled rows (8 rows at temperature 0.8: 0.92x the speed without speculation).
         Not run on a multi-host slice (the calls would have to be mirrored); the planner then
-        treats every width as equal. Timings on a busy host are noisy, so each table is made
-        monotone: a wider bucket never costs less than a narrower one, a "spec" program never less
-        than the plain one."""
-        out: dict[tuple[int, bool, bool], float] = {}
+        treats every width as equal.
+
+        Timings on a busy host are noisy, and a stall only ever adds time: every width is timed
+        in two passes over all widths, `repeats` steps back to back in each (back to back as
+        serving runs them: timed one step per pass, the narrow widths ran after wide ones with
+        their caches cold, 1.07 against 0.85 ms for one token), so a stall has to hit a width in
+        both passes to inflate it; then each table is made monotone from above: no width costs
+        more than a wider one, a plain step no more than its "spec" program. Before, one
+        back-to-back run per width and a table made monotone from below: one width timed during
+        a stall (32 tokens at 3.38 ms against ~1.8) raised every wider one up to 56 tokens to
+        that, the planner saw 32- to 56-token verifying steps as costing the same, and 8 streams
+        repeating their answers ran at 2.3x instead of ~2.7x the speed without speculation
+        (trained model, 2-vCPU Xeon)."""
         compiled = set(self.programs.keys())
-        for greedy in (True, False):
-            for T in self.token_buckets:
-                for spec in ((False, True) if self.rc.spec_tokens > 0 else (False,)):
-                    rows = self._timing_rows(T, spec, context, compiled, greedy)
-                    if rows is None:
-                        continue
-                    best = math.inf
-                    for _ in range(repeats):
-                        t0 = time.perf_counter()
-                        self.step(rows, greedy)
-                        best = min(best, time.perf_counter() - t0)
-                    out[(T, spec, greedy)] = best * 1000.0
-            floor = 0.0
-            for T in self.token_buckets:
-                for spec in (False, True):
-                    if (T, spec, greedy) in out:
-                        floor = out[(T, spec, greedy)] = max(floor, out[(T, spec, greedy)])
-        self.step_ms = out
+        cases = [(T, spec, greedy) for greedy in (True, False) for T in self.token_buckets
+                 for spec in ((False, True) if self.rc.spec_tokens > 0 else (False,))]
+        rows = {c: r for c in cases if (r := self._timing_rows(c[0], c[1], context, compiled, c[2])) is not None}
+        self.step_ms = monotone_costs(time_passes(rows, lambda r, greedy: self.step(r, greedy), repeats),
+                                      self.token_buckets)
         self.live_offset_ms = 0.0
 
     def _timing_rows(self, T: int, spec: bool, context: int, compiled: set,
