@@ -222,7 +222,9 @@ inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t l
 // four of the accumulators through vfmadd132ps plus a register move each step, beside the 24 FMAs
 // on the two vector ports. Single thread, [M, K] x one 64-column panel, GFLOP/s, medians of 8
 // alternating runs, 2-vCPU AMX Xeon (peak 203): M=384 K=384 145 -> 164, M=96 K=1536 142 -> 151,
-// M=60 K=128 158 -> 177.
+// M=60 K=128 158 -> 177. Whole 6-row blocks only: the same form for the blocks of 1-5 rows (decode
+// sizes, memory-bound) measured slower than the generic loop ('small' float32 decode step, ms
+// p50, same hour: batch 4 18.5 against 22-23, batch 1 16.0 against 16.6-17.3).
 template <int Pf>
 __attribute__((always_inline)) inline void micro6_loop(const float* const (&xr)[6], const float* panel, float* y,
                                                        int64_t ldy, int64_t m0, int64_t kn, bool first,
