@@ -683,14 +683,14 @@ class ModelRunner:
         Timings on a busy host are noisy, and a stall only ever adds time: every width is timed
         in two passes over all widths, `repeats` steps back to back in each (back to back as
         serving runs them: timed one step per pass, the narrow widths ran after wide ones with
-        their caches cold, 1.07 against 0.85 ms for one token), so a stall has to hit a width in
+        their caches cold, 1.07 against 0.83 ms for one token), so a stall has to hit a width in
         both passes to inflate it; then each table is made monotone from above: no width costs
         more than a wider one, a plain step no more than its "spec" program. Before, one
         back-to-back run per width and a table made monotone from below: one width timed during
         a stall (32 tokens at 3.38 ms against ~1.8) raised every wider one up to 56 tokens to
         that, the planner saw 32- to 56-token verifying steps as costing the same, and 8 streams
-        repeating their answers ran at 2.3x instead of ~2.7x the speed without speculation
-        (trained model, 2-vCPU Xeon)."""
+        repeating their answers ran 2.31x faster than without speculation in that run, against
+        2.56-2.66x in runs with this table (trained model, 2-vCPU Xeon)."""
         compiled = set(self.programs.keys())
         cases = [(T, spec, greedy) for greedy in (True, False) for T in self.token_buckets
                  for spec in ((False, True) if self.rc.spec_tokens > 0 else (False,))]
