@@ -122,6 +122,9 @@ class ServerProcess:
             self.health_during_warmup = c.get("/health").status_code
             self.ready_during_warmup = c.get("/ready").status_code
             assert wait_for(lambda: c.get("/ready").status_code == 200, 240, 0.25), self.log()
+        # /ready turns 200 when the engine is warm; the event loop logs the models and "ready in"
+        # a moment later (after the loader thread freezes the heap), so wait for that line too
+        assert wait_for(lambda: self.find(r"ready in [\d.]+s") is not None, 60, 0.1), self.log()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
