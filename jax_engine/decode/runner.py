@@ -695,7 +695,7 @@ class ModelRunner:
         cases = [(T, spec, greedy) for greedy in (True, False) for T in self.token_buckets
                  for spec in ((False, True) if self.rc.spec_tokens > 0 else (False,))]
         rows = {c: r for c in cases if (r := self._timing_rows(c[0], c[1], context, compiled, c[2])) is not None}
-        self.step_ms = monotone_costs(time_passes(rows, lambda r, greedy: self.step(r, greedy), repeats),
+        self.step_ms = monotone_costs(time_passes(rows, self.step, repeats),
                                       self.token_buckets)
         self.live_offset_ms = 0.0
 
