@@ -273,7 +273,20 @@ inline void micro<6, float, 2>(const float* x, const float* panel, float* y, int
 }
 #endif
 
-constexpr int64_t kKc = 128;   // K rows per pass over the M blocks: 32 KiB of panel stays in L1
+constexpr int64_t kKc = 128;   // K rows per pass over the M blocks, int8 weights (widened into a float buffer)
+// The same for float32 weights: the largest multiple of 32 whose panel chunk (64 columns of floats,
+// 256 bytes a row) fills at most 3/4 of this core's L1 data cache (cpu.py passes its size), so the
+// chunk stays in L1 beside the x rows while every block of rows reads it: 128 rows (32 KiB) with a
+// 48 KiB L1, 96 (24 KiB) with 32 KiB. 'small' model, alternating builds: on a 2-vCPU Zen 4 (32 KiB
+// L1) 128 spilled the chunk to L2 for every block of rows after the first: float32 decode at batch
+// 16 484-507 -> 620-641 tok/s with 96 (64: 622-641), batch 1 65-83 -> 70-72, 16 x 128-token
+// prefill level (1555-1618 ms; 64: 1612-1647); on a 2-vCPU AMX Xeon (48 KiB) 128 beat 96, 160, 192
+// and 256. The int8 path keeps 128 everywhere: on that Zen 4 its batch-16 decode fell 460-492 ->
+// 350-443 tok/s with 96 (64: 242-367).
+#ifndef XLASERVE_L1D_BYTES
+#define XLASERVE_L1D_BYTES 32768
+#endif
+constexpr int64_t kKcF32 = std::max<int64_t>(32, int64_t(XLASERVE_L1D_BYTES) * 3 / 4 / (kTile * 4) / 32 * 32);
 constexpr int64_t kMc = 192;   // rows of x per work item when M is large (192 x 768 floats = 576 KiB, in L2)
 
 // The float kernels' large-M row cap for K-float rows: as many rows as kMc rows of 768 floats
@@ -330,8 +343,9 @@ inline void scale_columns(const float* scale, float* out, int64_t ldo, int64_t M
 template <typename W>
 inline void do_panel(const float* x, const W* panel, const float* scale, float* out, int64_t ldo, int64_t M, int64_t K) {
   alignas(64) float buf[std::is_same_v<W, float> ? 1 : kKc * kTile];
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t kn = std::min(kKc, K - k0);
+  constexpr int64_t kc = std::is_same_v<W, float> ? kKcF32 : kKc;
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t kn = std::min(kc, K - k0);
     const bool first = k0 == 0;
     const W* chunk = panel + k0 * kTile;
     // the panel's next K chunk, which the first block of rows prefetches (see below)

@@ -29,6 +29,21 @@ def test_kernels_build_on_this_machine():
     assert K._build() == lib and os.path.getmtime(lib) == mtime      # cached, not rebuilt
 
 
+def test_l1d_size_from_sysfs_keys_the_build(tmp_path):
+    # the float kernel's K chunk follows the L1 data cache (cpu.cc kKcF32): sysfs's L1d entry is
+    # read (not the L1i or L2 beside it), and the size reaches the build flags, so the build key
+    # (and the cached matmul choice keyed by it) differs between a 32 KiB and a 48 KiB host
+    for idx, (level, kind, size) in enumerate([("1", "Instruction", "64K"), ("1", "Data", "48K"), ("2", "Unified", "2048K")]):
+        d = tmp_path / f"index{idx}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "type").write_text(kind + "\n")
+        (d / "size").write_text(size + "\n")
+    assert K._l1d_bytes(str(tmp_path)) == 48 << 10
+    assert K._l1d_bytes(str(tmp_path / "missing")) > 0
+    assert f"-DXLASERVE_L1D_BYTES={K._l1d_bytes()}" in K._FLAGS
+
+
 @pytest.mark.parametrize("M,K_,N,L", [(1, 64, 64, 1), (5, 3, 100, 2), (16, 300, 1287, 3), (33, 96, 64 * 3 + 1, 1),
                                       (7, 1, 5, 1), (400, 20, 130, 2),       # M > 384: row chunks
                                       (160, 2048, 70, 1)])   # K 2048: the row cap is 72 (float_row_cap)
