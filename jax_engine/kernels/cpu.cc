@@ -386,6 +386,20 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     const float* pf = nullptr;
     if constexpr (std::is_same_v<W, float>) pf = next;   // a widened int8 chunk is read from buf
     const int64_t blocks = (M + 5) / 6;
+    if constexpr (!std::is_same_v<W, float>) {
+      // int8 at decode sizes: the first block of rows prefetches the panel's next int8 chunk
+      // into L2, a line per K step (kn lines of 64 int8 weights), while every block reads the
+      // widened buffer. Without it the int8 stream waited on the hardware prefetcher alone:
+      // 'small' int8 model, decode at batch 16, tok/s, alternating builds, 2-vCPU Zen 4:
+      // 398-478 -> 590-621.
+      if (next != nullptr && blocks >= 2 && blocks <= 12) {
+        const float* pn = reinterpret_cast<const float*>(next);
+        for (int64_t m = 0; m < M; m += 6)
+          micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first,
+                            m == 0 ? pn : nullptr, 16);
+        continue;
+      }
+    }
     if (pf != nullptr && blocks >= 2 && blocks <= 12) {
       const int64_t spread = std::min<int64_t>(blocks, 6);
       for (int64_t m = 0, i = 0; m < M; m += 6, ++i)
