@@ -384,30 +384,28 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     // 14.2-14.5, 32 22.6-22.9 -> 19.2-20.4, 64 36.7 -> 32.1; M = 8 level; M = 128 and 256
     // (compute-bound) kept the burst, spread there measured level to 6 % slower.
     const float* pf = nullptr;
-    if constexpr (std::is_same_v<W, float>) pf = next;   // a widened int8 chunk is read from buf
+    int64_t pf_step = 0;   // 0: the burst form (the next chunk's rows); else pf + k pf_step at step k
     const int64_t blocks = (M + 5) / 6;
-    if constexpr (!std::is_same_v<W, float>) {
+    if constexpr (std::is_same_v<W, float>) {
+      pf = next;
+    } else if (next != nullptr && blocks >= 2 && blocks <= 12) {
       // int8 at decode sizes: the first block of rows prefetches the panel's next int8 chunk
-      // into L2, a line per K step (kn lines of 64 int8 weights), while every block reads the
-      // widened buffer. Without it the int8 stream waited on the hardware prefetcher alone:
+      // (not the widened buffer every block reads) into L2, a line per K step (kn lines of 64
+      // int8 weights). Without it the int8 stream waited on the hardware prefetcher alone:
       // 'small' int8 model, decode at batch 16, tok/s, alternating builds, 2-vCPU Zen 4:
       // 398-478 -> 590-621.
-      if (next != nullptr && blocks >= 2 && blocks <= 12) {
-        const float* pn = reinterpret_cast<const float*>(next);
-        for (int64_t m = 0; m < M; m += 6)
-          micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first,
-                            m == 0 ? pn : nullptr, 16);
-        continue;
-      }
+      pf = reinterpret_cast<const float*>(next);
+      pf_step = 16;
     }
-    if (pf != nullptr && blocks >= 2 && blocks <= 12) {
+    if (std::is_same_v<W, float> && pf != nullptr && blocks >= 2 && blocks <= 12) {
       const int64_t spread = std::min<int64_t>(blocks, 6);
       for (int64_t m = 0, i = 0; m < M; m += 6, ++i)
         micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first,
                           i < spread ? pf + 32 * i : nullptr, 32 * spread);
     } else {
       for (int64_t m = 0; m < M; m += 6)
-        micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first, m == 0 ? pf : nullptr);
+        micro_rows<float>(std::min<int64_t>(6, M - m), x + k0, p, out, K, ldo, m, kn, first, m == 0 ? pf : nullptr,
+                          pf_step);
     }
   }
   scale_columns(scale, out, ldo, M);
