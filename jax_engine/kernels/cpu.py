@@ -46,6 +46,8 @@ ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
 ENC_ATTN_TARGET = "xlaserve_cpu_encoder_attention_f32"
 ENC_ATTN_VARLEN_TARGET = "xlaserve_cpu_encoder_attention_varlen_f32"
 BLAS_TARGET = "xlaserve_cpu_blas_gemm_f32"
+GLU_TARGET = "xlaserve_cpu_glu_bf16"
+GLU_ACTS = {"silu": 0, "gelu_tanh": 1}     # cpu.cc GluBF16Impl's act codes
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}      # "ok": bool, "reason": str, "lib": CDLL
@@ -199,6 +201,7 @@ def available() -> bool:
             jax.ffi.register_ffi_target(ENC_ATTN_VARLEN_TARGET, jax.ffi.pycapsule(lib.XlaserveEncoderAttentionVarlenF32),
                                         platform="cpu")
             jax.ffi.register_ffi_target(BLAS_TARGET, jax.ffi.pycapsule(lib.XlaserveBlasGemmF32), platform="cpu")
+            jax.ffi.register_ffi_target(GLU_TARGET, jax.ffi.pycapsule(lib.XlaserveGluBF16), platform="cpu")
             _state.update(ok=True, reason="", lib=lib)
         except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot instead
             _state.update(ok=False, reason=str(e) or type(e).__name__)
@@ -374,6 +377,22 @@ def gemm_bias(x: jax.Array, w: jax.Array, layer: Any, bias: jax.Array, gelu: boo
     li = jnp.asarray(layer, jnp.int32).reshape(())
     return jax.ffi.ffi_call(GELU_TARGET if gelu else BIAS_TARGET, out)(
         x.astype(jnp.float32), w, li, bias.astype(jnp.float32))
+
+
+def glu(gu: jax.Array, act: str, rows: Optional[jax.Array] = None) -> jax.Array:
+    """A bfloat16 model's gated MLP activation: gu [..., 2, I] float32 (the gate_up projection's
+    kernel output, not yet rounded) -> act(gate) * up [..., I] bfloat16, rounded as torch rounds
+    bfloat16 tensors (cpu.cc: GluBF16Impl, which says why it is a kernel). act: silu | gelu_tanh.
+    `rows` as gemm's: rows past it are zeros."""
+    _require()
+    lead, inter = gu.shape[:-2], gu.shape[-1]
+    if gu.shape[-2] != 2 or act not in GLU_ACTS:
+        raise ValueError(f"glu takes [..., 2, I] float32 and act in {sorted(GLU_ACTS)}, got {gu.shape} and {act!r}")
+    m = math.prod(lead)
+    live = jnp.asarray(m if rows is None else rows, jnp.int32).reshape(())
+    y = jax.ffi.ffi_call(GLU_TARGET, jax.ShapeDtypeStruct((m, inter), jnp.bfloat16))(
+        gu.reshape(m, 2 * inter).astype(jnp.float32), live, act=GLU_ACTS[act])
+    return y.reshape(lead + (inter,))
 
 
 def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[int, ...],

@@ -134,6 +134,41 @@ def test_gemm_bias_gelu_matches_the_exact_gelu(M, K_, N):
         K.gemm_bias(x, K.pack(jnp.asarray(w, jnp.bfloat16), 1, True, pairs=True), 1, b, gelu=True)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_glu_rounds_as_torch_does_on_bfloat16(act):
+    """A bfloat16 model's act(gate) * up from the float32 gate_up projection (cpu.cc GluBF16Impl)
+    against torch on bfloat16 tensors (the projection's output rounded to bfloat16, then F.silu /
+    the tanh GELU, then the product): equal bits but where the two exps round differently (at
+    most one bfloat16 step, rarely; silu matched all 32,768 of a wider sample). I 200: 12
+    vectors and an 8-column scalar tail; rows past `rows` are zeros; bad operands are refused."""
+    import torch
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(3)
+    M, inter, live = 5, 200, 3
+    gu = (rng.standard_normal((M, 2, inter)) * 4).astype(np.float32)
+    gu[0, 0, :4] = [0.0, -0.0, 30.0, -30.0]                   # exact zeros and saturated tails
+    got = jax.jit(lambda g, r: K.glu(g, act, r))(jnp.asarray(gu), jnp.int32(live))
+    assert got.dtype == jnp.bfloat16 and got.shape == (M, inter)
+    got = np.asarray(got.astype(jnp.float32))
+    t = torch.from_numpy(gu).to(torch.bfloat16)
+    fn = F.silu if act == "silu" else (lambda v: F.gelu(v, approximate="tanh"))
+    want = (fn(t[:, 0]) * t[:, 1]).float().numpy()
+    assert np.all(got[live:] == 0)
+    big = np.abs(want[:live]) > 1e-3
+    diff = got[:live][big] != want[:live][big]
+    assert diff.mean() < 0.01, f"{diff.sum()} of {diff.size} differ"
+    # the tanh GELU's far negative tail: torch's 0.5 g (1 + tanh z) cancels to ~0 where the
+    # kernel's equal form g / (1 + e^(-2 z)) keeps the tiny value (|y| < 1e-5 there)
+    np.testing.assert_allclose(got[:live], want[:live], rtol=2 ** -7, atol=1e-30 if act == "silu" else 2e-5)
+    # not merely the product of the rounded operands: act was applied
+    assert not np.allclose(got[:live], want[:live] / np.where(want[:live] == 0, 1, want[:live]))
+    with pytest.raises(ValueError, match="act in"):
+        K.glu(jnp.asarray(gu), "relu")
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2, I\]"):
+        K.glu(jnp.zeros((M, 3, inter), jnp.float32), act)
+
+
 def test_int8_gemm_matches_numpy():
     from jax_engine.models.llama_weights import quantize_int8
 
@@ -418,11 +453,13 @@ def test_flag_reaches_the_model(tmp_path, monkeypatch, demo_generator_path):
 
 def test_bfloat16_int8_model_serves_through_the_pair_kernel(tmp_path):
     """A bfloat16 model with int8 weights end to end: the kernel's K-pair int8 panels serve it
-    (decode rows and a multi-row prefill), greedy answers equal XLA's dot on the same weights,
-    and nothing compiles after warmup."""
+    (decode rows and a multi-row prefill), greedy answers equal XLA's dot on the same weights
+    (the kernel path with cpu.cc's gated activation, XLA's with its own), and nothing compiles
+    after warmup."""
     import asyncio
 
     from jax_engine.config import EngineArgs, ModelSpec
+    from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
     from jax_engine.engine import Engine
     from tests.helpers import hf_models
     from tests.helpers.engines import greedy_all
@@ -443,6 +480,11 @@ def test_bfloat16_int8_model_serves_through_the_pair_kernel(tmp_path):
             assert (qkv.weight is not None and qkv.weight[...].dtype == jnp.int8) == (path_kind == "xla")
             out[path_kind] = asyncio.run(greedy_all(eng, prompts, 12, model="m"))
             assert eng.compilations_after_warmup() == 0
+            # the gated MLP activation runs as the kernel beside the kernel's projections only
+            runner = eng.worker("m").replicas[0].runner
+            key, args = runner._step_args([StepRow([5], 3, [1], [SampleRow(0, SamplingRow())])])
+            hlo = runner.programs.get("step", key, args).as_text()
+            assert (K.GLU_TARGET in hlo) == (path_kind == "kernel")
         finally:
             eng.shutdown(timeout=2.0)
     assert out["kernel"] == out["xla"]
