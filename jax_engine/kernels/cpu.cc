@@ -349,8 +349,11 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     const bool first = k0 == 0;
     const W* chunk = panel + k0 * kTile;
     // the panel's next K chunk, which the first block of rows prefetches (see below)
-    // (past the last chunk: the next panel's first, contiguous in memory)
-    const W* next = M > 1 ? chunk + kn * kTile : nullptr;
+    // (past the last chunk: the next panel's first, contiguous in memory). One float32 row does
+    // better on the hardware prefetcher alone (below); one int8 row does not: the 'small' int8
+    // model's 12-layer chain of its four matrices and LM head at M = 1, ms p50, alternating
+    // builds, 2-vCPU Zen 4: 2.74-3.23 -> 2.53-2.78.
+    const W* next = M > 1 || !std::is_same_v<W, float> ? chunk + kn * kTile : nullptr;
     if constexpr (!std::is_same_v<W, float>) {
       if (M <= 6) {   // one block of rows: widen int8 in registers, no buffer round trip
         micro_rows<W>(M, x + k0, chunk, out, K, ldo, 0, kn, first, next);
@@ -372,8 +375,8 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     // of the 'small' model's four matrices + its LM head, ms, 2-vCPU AMX Xeon, alternating
     // builds: M = 2 18.3 -> 16.7-17.1, 3 20.4-20.7 -> 17.1-17.7, 6 24.2 -> 18.0-18.3, 8 26.6 ->
     // 19.5-20.6, 16 30.7 -> 25.3-25.5, 32 41.4-41.9 -> 34.5-35.5, 64 58.8-59.1 -> 53.0-54.8.
-    // Not at M = 1 (15.7 -> 16.2-16.7 with it: one row is bandwidth-bound and the hardware
-    // prefetcher alone does better), and to L2, not L1 (M = 16: 28.0 into L1, 25.4 into L2).
+    // Not at M = 1 for float32 (15.7 -> 16.2-16.7 with it: one row is bandwidth-bound and the
+    // hardware prefetcher alone does better; level within noise on a Zen 4; int8: above), and to L2, not L1 (M = 16: 28.0 into L1, 25.4 into L2).
     //
     // Spread (2 to 12 blocks of rows, M = 7..72): a burst of a whole chunk's prefetches from the
     // first block filled the core's miss queue while the FMAs waited behind it, so memory and
@@ -782,7 +785,8 @@ constexpr int64_t kKc2 = 64;   // K pairs per pass: 64 x 64 columns x 4 bytes = 
 // Decode rows (2..6) prefetch the pair panel this many K pairs ahead into L2 (8 KiB of bfloat16),
 // as the float kernel prefetches its next chunk (do_panel): the same 12-layer chain, M = 4, ms,
 // alternating builds: bfloat16 14.4-14.5 -> 10.3-10.7, int8 in the float model (its panels take
-// the next-chunk prefetch) 10.1-10.6 -> 4.8-6.4; M = 1 unchanged (no prefetch), M >= 16 level.
+// the next-chunk prefetch) 10.1-10.6 -> 4.8-6.4; M >= 16 level. M = 1: bfloat16 panels only
+// (do_panel_pairs).
 constexpr int64_t kPfPairs = 32;
 
 // kn2 K pairs of an int8 pair panel as bfloat16 pairs (exact: |q| <= 127), into dst [kn2, 64].
@@ -823,7 +827,11 @@ inline void do_panel_pairs(const uint32_t* x, const W* panel, const float* scale
     return;
   }
   if (M <= 6) {   // decode: one pass over the panel, the accumulators never leave the registers
-    micro_pairs_rows<W>(M, x, K2, panel, out, ldo, 0, K2, true, M > 1 ? panel + kPfPairs * kPairRow<W> : nullptr);
+    // one row prefetches too for bfloat16 panels: the 'small' bfloat16 chain at M = 1 (as
+    // do_panel's) 6.0-6.5 -> 5.4-5.9 ms p50 in four alternating rounds; not for int8 pairs, whose
+    // one-row loop is bound by widening the weights (2.83-2.88 -> 2.82-3.35 with it)
+    const bool pf = M > 1 || std::is_same_v<W, uint32_t>;
+    micro_pairs_rows<W>(M, x, K2, panel, out, ldo, 0, K2, true, pf ? panel + kPfPairs * kPairRow<W> : nullptr);
   } else {
     alignas(64) uint32_t buf[std::is_same_v<W, int8_t> ? kKc2 * kTile : 1];
     for (int64_t k0 = 0; k0 < K2; k0 += kKc2) {
