@@ -376,7 +376,8 @@ inline void do_panel(const float* x, const W* panel, const float* scale, float* 
     // builds: M = 2 18.3 -> 16.7-17.1, 3 20.4-20.7 -> 17.1-17.7, 6 24.2 -> 18.0-18.3, 8 26.6 ->
     // 19.5-20.6, 16 30.7 -> 25.3-25.5, 32 41.4-41.9 -> 34.5-35.5, 64 58.8-59.1 -> 53.0-54.8.
     // Not at M = 1 for float32 (15.7 -> 16.2-16.7 with it: one row is bandwidth-bound and the
-    // hardware prefetcher alone does better; level within noise on a Zen 4; int8: above), and to L2, not L1 (M = 16: 28.0 into L1, 25.4 into L2).
+    // hardware prefetcher alone does better; level within noise on a Zen 4; int8: above), and
+    // to L2, not L1 (M = 16: 28.0 into L1, 25.4 into L2).
     //
     // Spread (2 to 12 blocks of rows, M = 7..72): a burst of a whole chunk's prefetches from the
     // first block filled the core's miss queue while the FMAs waited behind it, so memory and
