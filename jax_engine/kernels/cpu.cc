@@ -1579,19 +1579,6 @@ inline v16 round_bf16(v16 f) {      // to the nearest bfloat16 (ties to even), a
   const v16ui r = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
   return f != f ? f : reinterpret_cast<v16>(r);
 }
-inline float round_bf16(float f) {
-  if (f != f) return f;
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-inline uint16_t bf16_bits(float rounded) {
-  uint32_t b;
-  std::memcpy(&b, &rounded, 4);
-  return static_cast<uint16_t>(b >> 16);
-}
 
 template <int kAct>
 inline v16 gate_act(v16 g) {
@@ -1603,23 +1590,26 @@ inline v16 gate_act(v16 g) {
     return g / (1.0f + vexp(-2.0f * z));
   }
 }
+
+// 16 columns: g, u -> the bfloat16 bits of round(round(act(round(g))) * round(u))
 template <int kAct>
-inline float gate_act(float g) {
-  if constexpr (kAct == 0) return g / (1.0f + std::exp(-g));
-  else return g / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (g + 0.044715f * g * g * g)));
+inline v16us glu16(v16 g, v16 u) {
+  const v16 out = round_bf16(round_bf16(gate_act<kAct>(round_bf16(g))) * round_bf16(u));
+  return __builtin_convertvector(reinterpret_cast<v16ui>(out) >> 16, v16us);
 }
 
 template <int kAct>
 void glu_row(const float* gu, int64_t I, uint16_t* y) {
   int64_t i = 0;
-  for (; i + 16 <= I; i += 16) {
-    const v16 g = round_bf16(load16(gu + i)), u = round_bf16(load16(gu + I + i));
-    const v16 out = round_bf16(round_bf16(gate_act<kAct>(g)) * u);
-    *reinterpret_cast<v16us*>(y + i) = __builtin_convertvector(reinterpret_cast<v16ui>(out) >> 16, v16us);
-  }
-  for (; i < I; ++i) {
-    const float g = round_bf16(gu[i]), u = round_bf16(gu[I + i]);
-    y[i] = bf16_bits(round_bf16(round_bf16(gate_act<kAct>(g)) * u));
+  for (; i + 16 <= I; i += 16) *reinterpret_cast<v16us*>(y + i) = glu16<kAct>(load16(gu + i), load16(gu + I + i));
+  if (i < I) {       // the last I % 16 columns through the same vector code, zero-padded
+    const int64_t n = I - i;
+    alignas(64) float g[16] = {}, u[16] = {};
+    alignas(32) uint16_t out[16];
+    std::memcpy(g, gu + i, n * sizeof(float));
+    std::memcpy(u, gu + I + i, n * sizeof(float));
+    *reinterpret_cast<v16us*>(out) = glu16<kAct>(load16(g), load16(u));
+    std::memcpy(y + i, out, n * sizeof(uint16_t));
   }
 }
 

@@ -144,10 +144,17 @@ def matmul(cfg: LlamaConfig, lin: Linear, li: jax.Array, v: jax.Array, out_tail:
     padding; the kernel path skips them (zeros), the others compute them."""
     path = matmul_path(cfg, lin.name, m)
     if path == "kernel":
-        return cpu_kernels.linear(v, lin.kernel_weight(), li, K_DIMS[lin.name], out_tail, live).astype(v.dtype)
+        return kernel_matmul(lin, li, v, out_tail, live).astype(v.dtype)
     if path == "blas":
         return cpu_kernels.blas_linear(v, lin.weight[...], li, K_DIMS[lin.name]).astype(v.dtype)
     return linear(v, lin.xla_weight(), SPECS[lin.name])
+
+
+def kernel_matmul(lin: Linear, li: jax.Array, v: jax.Array, out_tail: tuple[int, ...],
+                  live: Optional[jax.Array]) -> jax.Array:
+    """The CPU kernel's float32 product for matmul (which rounds it to v's dtype) and for the
+    bfloat16 gated activation (glu_on_kernel: which rounds it itself)."""
+    return cpu_kernels.linear(v, lin.kernel_weight(), li, K_DIMS[lin.name], out_tail, live)
 
 
 def gate_activation(name: str) -> Callable[[jax.Array], jax.Array]:
@@ -318,8 +325,7 @@ class CausalLM(nnx.Module):
                 return x + d, kc, vc, li + 1
             mlp = ly.mlp
             if glu_on_kernel(cfg, M, h.dtype, lb is not None):     # float32 projection -> bfloat16 act
-                gu = cpu_kernels.linear(h, mlp.gate_up_proj.kernel_weight(), li, K_DIMS[mlp.gate_up_proj.name],
-                                        (2, cfg.intermediate_size), live)
+                gu = kernel_matmul(mlp.gate_up_proj, li, h, (2, cfg.intermediate_size), live)
                 act = cpu_kernels.glu(gu, cfg.act, live)
             else:
                 gu = mm(mlp.gate_up_proj, li, h, (2, cfg.intermediate_size))
