@@ -306,7 +306,7 @@ class _Point:
                                     jnp.int32(0), None, length=L)[1]
             pk_lead = (L,)
         kdt = jnp.int8 if case.int8 else (jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32)
-        packed: Any = sds(cpu_kernels.packed_shape(pk_lead, case.k, n, kdt, pairs=dt == jnp.bfloat16), kdt)
+        packed: Any = sds(cpu_kernels.packed_shape(pk_lead, case.k, n, kdt), kdt)
         if case.int8:
             packed = {"q": packed, "s": sds(pk_lead + (P * cpu_kernels.PANEL,), jnp.float32)}
         self.layers = L

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -630,26 +631,31 @@ ffi::Error GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsI8 w,
 // (vdpbf16ps flushes denormal inputs, which no trained weight is). Measured on this host (Zen 4,
 // 2 vCPU), 768 x 2048 per layer, ms, float-widening kernel -> pair kernel: see choose.py.
 //
-// Weight-only int8 in a bfloat16 model takes the same layout with int8 elements ([L, P, K/2, 128]
-// int8, per-column scale [L, 64 P] applied after the K loop): an int8 value is exact in bfloat16,
-// so each 32 weights widen (two sign extensions, two int-to-float converts, one pack to bfloat16)
-// into exactly the operand the bfloat16 weights load, at a quarter of float32's weight bytes.
+// Weight-only int8 in a bfloat16 model keeps the float32 model's plain int8 panels ([L, P, K, 64],
+// per-column scale [L, 64 P] applied after the K loop): rows 2j and 2j + 1 of a panel are 128
+// contiguous bytes, which the pair loop widens into the bfloat16 pair operand (an int8 value is
+// exact in bfloat16: the converted float's upper half, a shift and a mask), in registers at decode
+// sizes (<= 6 rows) and once per K chunk into an L1 buffer shared by every block of rows above.
+// Why one layout: the int8 pair layout this replaces ([L, P, K/2, 128] int8, widened by two sign
+// extensions, two converts and a pack) served only this loop, and its one-row loop was ~10 %
+// slower than the float32 model's int8 loop over the same bytes. 'small' 12-layer chains (4
+// matrices + LM head), bfloat16 + int8, ms p50, five alternating rounds, 2-vCPU Zen 4: M = 1 pair
+// layout 2.81-3.07 (median 2.93) -> plain 2.66-3.05 (2.73); M = 4 3.52-4.38 -> 3.21-3.59; two
+// rounds M = 16 21.8-22.5 -> 13.5-14.1, M = 128 81.5-82.7 -> 80.9-84.3. Routing
+// one row to the float32 loop instead (x widened to float32) measured level (2.35-2.86, 2.77), so
+// every row count takes the pair loop, and a row's result does not depend on the batch it is in.
 typedef unsigned v16ui __attribute__((vector_size(64)));
 typedef unsigned v16uiu __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int16_t v16s __attribute__((vector_size(32)));
-typedef int16_t v16su __attribute__((vector_size(32), aligned(1), may_alias));
-
-// Elements of one K pair's 64 columns in the weight's own type (uint32_t: a bfloat16 pair).
-template <typename W> constexpr int64_t kPairRow = std::is_same_v<W, int8_t> ? 2 * kTile : kTile;
 
 #ifdef __AVX512BF16__
 // 16 columns' bfloat16 pairs of one K pair (columns 16 v .. 16 v + 15)
 inline __m512bh pairs_bh(const uint32_t* row, int v) { return (__m512bh)_mm512_loadu_si512(row + 16 * v); }
+// the same from plain int8 rows 2j (`row`) and 2j + 1 (the next 64 bytes): an int8 value converted
+// to float32 has a zero low half, so its bfloat16 is the float's upper 16 bits (a shift, a mask)
 inline __m512bh pairs_bh(const int8_t* row, int v) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * v));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));        // elements 0..15
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));   // 16..31
-  return _mm512_cvtne2ps_pbh(hi, lo);   // lo in the low half: memory order kept
+  const v16ui lo = reinterpret_cast<v16ui>(load_w(row + 16 * v));
+  const v16ui hi = reinterpret_cast<v16ui>(load_w(row + kTile + 16 * v));
+  return (__m512bh)((lo >> 16) | (hi & 0xFFFF0000u));
 }
 #else
 // The same 16 columns as two float vectors: even K row (lo) and odd K row (hi).
@@ -659,11 +665,14 @@ inline void pairs_f32(const uint32_t* row, int v, v16& lo, v16& hi) {
   hi = reinterpret_cast<v16>(w & 0xFFFF0000u);
 }
 inline void pairs_f32(const int8_t* row, int v, v16& lo, v16& hi) {
-  const v16i w = __builtin_convertvector(*reinterpret_cast<const v16su*>(row + 32 * v), v16i);   // b0 | b1 << 8
-  lo = __builtin_convertvector((w << 24) >> 24, v16);
-  hi = __builtin_convertvector(w >> 8, v16);
+  lo = load_w(row + 16 * v);
+  hi = load_w(row + kTile + 16 * v);
 }
 #endif
+
+// Elements of one K pair's 64 columns in the panel's own type: a bfloat16 pair panel's row
+// (uint32_t pairs), or two plain int8 rows.
+template <typename W> constexpr int64_t kPairRow = std::is_same_v<W, int8_t> ? 2 * kTile : kTile;
 
 template <int MR, typename W>
 inline void micro_pairs(const uint32_t* x, int64_t K2, const W* panel, float* y, int64_t ldy, int64_t m0,
@@ -786,36 +795,42 @@ constexpr int64_t kKc2 = 64;   // K pairs per pass: 64 x 64 columns x 4 bytes = 
 // Decode rows (2..6) prefetch the pair panel this many K pairs ahead into L2 (8 KiB of bfloat16),
 // as the float kernel prefetches its next chunk (do_panel): the same 12-layer chain, M = 4, ms,
 // alternating builds: bfloat16 14.4-14.5 -> 10.3-10.7, int8 in the float model (its panels take
-// the next-chunk prefetch) 10.1-10.6 -> 4.8-6.4; M >= 16 level. M = 1: bfloat16 panels only
-// (do_panel_pairs).
+// the next-chunk prefetch) 10.1-10.6 -> 4.8-6.4; M >= 16 level. One row prefetches too: the
+// 'small' bfloat16 chain at M = 1 (as do_panel's) 6.0-6.5 -> 5.4-5.9 ms p50 in four alternating
+// rounds.
 constexpr int64_t kPfPairs = 32;
 
-// kn2 K pairs of an int8 pair panel as bfloat16 pairs (exact: |q| <= 127), into dst [kn2, 64].
-inline void widen_pairs(const int8_t* src, int64_t kn2, uint32_t* dst) {
-  for (int64_t j = 0; j < kn2; ++j)
+// K pairs [j0, j0 + kn2) of a plain int8 panel ([K, 64], K rows) as bfloat16 pairs, into dst
+// [kn2, 64]: lane c of pair j = (w[2j, c], w[2j + 1, c]), the odd row zero past K. Exact: an int8
+// value converted to float32 has a zero low half, so its bfloat16 is the float's upper 16 bits.
+inline void widen_plain(const int8_t* panel, int64_t K, int64_t j0, int64_t kn2, uint32_t* dst) {
+  for (int64_t j = 0; j < kn2; ++j) {
+    const int64_t k = 2 * (j0 + j);
+    const int8_t* even = panel + k * kTile;
+    const bool odd = k + 1 < K;
     for (int v = 0; v < kVec; ++v) {
-#ifdef __AVX512BF16__
-      _mm512_storeu_si512(dst + j * kTile + 16 * v, (__m512i)pairs_bh(src + j * kPairRow<int8_t>, v));
-#else
-      v16 lo, hi;
-      pairs_f32(src + j * kPairRow<int8_t>, v, lo, hi);
-      *reinterpret_cast<v16uiu*>(dst + j * kTile + 16 * v) =
-          (reinterpret_cast<v16ui>(lo) >> 16) | (reinterpret_cast<v16ui>(hi) & 0xFFFF0000u);
-#endif
+      const v16ui lo = reinterpret_cast<v16ui>(load_w(even + 16 * v));
+      const v16ui hi = odd ? reinterpret_cast<v16ui>(load_w(even + kTile + 16 * v)) : v16ui{};
+      *reinterpret_cast<v16uiu*>(dst + j * kTile + 16 * v) = (lo >> 16) | (hi & 0xFFFF0000u);
     }
+  }
 }
 
-// One panel (64 output columns) of the pair layout for all M rows into out (row stride ldo);
-// scale (64 floats, int8 weights; null for bfloat16) multiplies each output column at the end.
+// One panel (64 output columns) for all M rows of x in K pairs (K2 a row) into out (row stride
+// ldo): a bfloat16 pair panel ([K2, 64] pairs; W = uint32_t) or a plain int8 one ([K, 64], K =
+// 2 K2 or 2 K2 - 1; W = int8_t: each K chunk widened once into bfloat16 pairs in L1 and shared by
+// every block of rows); scale (64 floats, int8; null for bfloat16) multiplies each output column
+// at the end.
 template <typename W>
 inline void do_panel_pairs(const uint32_t* x, const W* panel, const float* scale, float* out, int64_t ldo,
-                           int64_t M, int64_t K2) {
+                           int64_t M, int64_t K2, int64_t K) {
+  constexpr bool kInt8 = std::is_same_v<W, int8_t>;
   if (M >= 16 && K2 % 16 == 0 && amx_usable()) {    // on AMX tiles (above); int8 widened first, whole
     const uint32_t* pw;
-    if constexpr (std::is_same_v<W, int8_t>) {
+    if constexpr (kInt8) {
       thread_local std::vector<uint32_t> wide;
       wide.resize(K2 * kTile);
-      widen_pairs(panel, K2, wide.data());
+      widen_plain(panel, K, 0, K2, wide.data());
       pw = wide.data();
     } else {
       pw = panel;
@@ -827,54 +842,54 @@ inline void do_panel_pairs(const uint32_t* x, const W* panel, const float* scale
     scale_columns(scale, out, ldo, M);
     return;
   }
-  if (M <= 6) {   // decode: one pass over the panel, the accumulators never leave the registers
-    // one row prefetches too for bfloat16 panels: the 'small' bfloat16 chain at M = 1 (as
-    // do_panel's) 6.0-6.5 -> 5.4-5.9 ms p50 in four alternating rounds; not for int8 pairs, whose
-    // one-row loop is bound by widening the weights (2.83-2.88 -> 2.82-3.35 with it)
-    const bool pf = M > 1 || std::is_same_v<W, uint32_t>;
-    micro_pairs_rows<W>(M, x, K2, panel, out, ldo, 0, K2, true, pf ? panel + kPfPairs * kPairRow<W> : nullptr);
+  if (M <= 6 && (!kInt8 || K % 2 == 0)) {
+    // decode: one pass over the panel, the accumulators never leave the registers (int8 widened
+    // in them; an odd K, which would read a row past the panel, takes the buffered loop below)
+    micro_pairs_rows<W>(M, x, K2, panel, out, ldo, 0, K2, true, panel + kPfPairs * kPairRow<W>);
   } else {
-    alignas(64) uint32_t buf[std::is_same_v<W, int8_t> ? kKc2 * kTile : 1];
+    alignas(64) uint32_t buf[kInt8 ? kKc2 * kTile : 1];
     for (int64_t k0 = 0; k0 < K2; k0 += kKc2) {
       const int64_t kn2 = std::min(kKc2, K2 - k0);
       const uint32_t* chunk;
-      if constexpr (std::is_same_v<W, int8_t>) {   // widen the int8 chunk once for every block of rows
-        widen_pairs(panel + k0 * kPairRow<W>, kn2, buf);
+      const uint32_t* pf = nullptr;
+      if constexpr (kInt8) {
+        widen_plain(panel, K, k0, kn2, buf);
         chunk = buf;
       } else {
         chunk = panel + k0 * kTile;
+        pf = k0 + kKc2 < K2 ? chunk + kKc2 * kTile : nullptr;
       }
-      const uint32_t* pf = nullptr;
-      if constexpr (!std::is_same_v<W, int8_t>) pf = k0 + kKc2 < K2 ? chunk + kKc2 * kTile : nullptr;
       for (int64_t m = 0; m < M; m += 6)
         micro_pairs_rows<uint32_t>(std::min<int64_t>(6, M - m), x + k0, K2, chunk, out, ldo, m, kn2, k0 == 0,
-                                   m == 0 ? pf : nullptr);
+                         m == 0 ? pf : nullptr);
     }
   }
   scale_columns(scale, out, ldo, M);
 }
 
+// x [M, 2 K2] bfloat16 as K pairs; panels of `panel_elems` W elements each (L x P of them).
 template <typename W>
-ffi::Error gemm_pairs(ffi::ThreadPool& pool, const ffi::Buffer<ffi::BF16>& x, const W* wp, int64_t L, int64_t P,
-                      int64_t K2, const float* sp, const ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& y) {
+ffi::Error gemm_pairs(ffi::ThreadPool& pool, const uint32_t* xp, int64_t M, int64_t K2, int64_t K, const W* wp,
+                      int64_t L, int64_t P, int64_t panel_elems, const float* sp, int64_t li, float* yp, int64_t N) {
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm pairs: layer index out of range");
+  if (M == 0) return ffi::Error::Success();
+  const W* wl = wp + li * P * panel_elems;
+  const float* sl = sp ? sp + li * P * kTile : nullptr;
+  for_each_panel(pool, M, kMc, P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
+    do_panel_pairs<W>(xp + m0 * K2, wl + t * panel_elems, sl ? sl + t * kTile : nullptr, out, ldo, rows, K2, K);
+  });
+  return ffi::Error::Success();
+}
+
+// x [M, 2 K2] and y [M, N] against P panels: the common shape checks of the bfloat16-input GEMMs.
+ffi::Error check_pairs(const ffi::Buffer<ffi::BF16>& x, ffi::ResultBuffer<ffi::F32>& y, int64_t K2, int64_t P,
+                       const char* what) {
   const auto xd = x.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("xlaserve_gemm pairs: x must be [M, K], w [L, P, K / 2, 128], y [M, N]");
-  const int64_t K = xd[1], N = yd[1];
-  if (K != 2 * K2 || yd[0] != xd[0] || N > P * kTile || N <= (P - 1) * kTile)
-    return ffi::Error::InvalidArgument("xlaserve_gemm pairs: operand shapes do not agree (K must be even)");
-  const int64_t li = layer.typed_data()[0];
-  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm pairs: layer index out of range");
-  const int64_t M = live_rows(layer, xd[0], y->typed_data(), N);
-  if (M == 0) return ffi::Error::Success();
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.typed_data());
-  const W* wl = wp + li * P * K2 * kPairRow<W>;
-  const float* sl = sp ? sp + li * P * kTile : nullptr;
-  float* yp = y->typed_data();
-  for_each_panel(pool, M, kMc, P, N, yp, [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
-    do_panel_pairs<W>(xp + m0 * K2, wl + t * K2 * kPairRow<W>, sl ? sl + t * kTile : nullptr, out, ldo, rows, K2);
-  });
+  if (xd.size() != 2 || yd.size() != 2 || xd[1] != 2 * K2 || yd[0] != xd[0] || yd[1] > P * kTile ||
+      yd[1] <= (P - 1) * kTile)
+    return ffi::Error::InvalidArgument(std::string(what) + ": x must be [M, K] with K even (zero-padded), y [M, N] "
+                                       "with N in the weight's last panel");
   return ffi::Error::Success();
 }
 
@@ -882,18 +897,27 @@ ffi::Error GemmBF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, PanelsBF
                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = w.dimensions();
   if (wd[3] != 2 * kTile) return ffi::Error::InvalidArgument("xlaserve_gemm_bf16: w must be [L, P, K / 2, 128]");
-  return gemm_pairs<uint32_t>(pool, x, reinterpret_cast<const uint32_t*>(w.typed_data()), wd[0], wd[1], wd[2],
-                              nullptr, layer, y);
+  const int64_t K2 = wd[2], N = y->dimensions()[1];
+  if (auto e = check_pairs(x, y, K2, wd[1], "xlaserve_gemm_bf16"); e.failure()) return e;
+  const int64_t M = live_rows(layer, x.dimensions()[0], y->typed_data(), N);
+  return gemm_pairs<uint32_t>(pool, reinterpret_cast<const uint32_t*>(x.typed_data()), M, K2, 2 * K2,
+                              reinterpret_cast<const uint32_t*>(w.typed_data()), wd[0], wd[1], K2 * kTile, nullptr,
+                              layer.typed_data()[0], y->typed_data(), N);
 }
 
 ffi::Error GemmI8BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, PanelsI8 w, Scales s,
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = w.dimensions();
-  if (wd[3] != 2 * kTile) return ffi::Error::InvalidArgument("xlaserve_gemm_i8_bf16: w must be [L, P, K / 2, 128]");
+  if (wd[3] != kTile) return ffi::Error::InvalidArgument("xlaserve_gemm_i8_bf16: w must be [L, P, K, 64]");
   if (s.dimensions()[0] != wd[0] || s.dimensions()[1] != wd[1] * kTile)
     return ffi::Error::InvalidArgument("xlaserve_gemm_i8_bf16: scale must be [L, 64 P]");
-  return gemm_pairs<int8_t>(pool, x, reinterpret_cast<const int8_t*>(w.typed_data()), wd[0], wd[1], wd[2],
-                            s.typed_data(), layer, y);
+  const int64_t K = wd[2], K2 = (K + 1) / 2, N = y->dimensions()[1];
+  if (auto e = check_pairs(x, y, K2, wd[1], "xlaserve_gemm_i8_bf16"); e.failure()) return e;
+  const int64_t M = live_rows(layer, x.dimensions()[0], y->typed_data(), N);
+  const int8_t* wp = reinterpret_cast<const int8_t*>(w.typed_data());
+  const int64_t li = layer.typed_data()[0];
+  return gemm_pairs<int8_t>(pool, reinterpret_cast<const uint32_t*>(x.typed_data()), M, K2, K, wp, wd[0], wd[1],
+                            K * kTile, s.typed_data(), li, y->typed_data(), N);
 }
 
 // 2. XlaserveDecodeAttentionF32: one query token per row against its own pages of the KV cache.

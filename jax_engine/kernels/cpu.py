@@ -295,29 +295,27 @@ def num_panels(n: int) -> int:
     return -(-n // PANEL)
 
 
-def packed_shape(lead: tuple[int, ...], k: int, n: int, dtype: Any, pairs: bool = False) -> tuple[int, ...]:
+def packed_shape(lead: tuple[int, ...], k: int, n: int, dtype: Any) -> tuple[int, ...]:
     """Shape of `pack`'s panels for a [*lead, k, n] weight: [*lead, P, K, 64], or in K pairs
-    [*lead, P, ceil(K / 2), 128] (cpu.cc's pair kernel) for bfloat16 weights and, with `pairs`
-    (a bfloat16 model), for int8 ones."""
-    if jnp.dtype(dtype) == jnp.bfloat16 or pairs:
+    [*lead, P, ceil(K / 2), 128] (cpu.cc's pair kernel) for bfloat16 weights."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
         return lead + (num_panels(n), -(-k // 2), 2 * PANEL)
     return lead + (num_panels(n), k, PANEL)
 
 
-def pack(w: Any, k_dims: int, stacked: bool, pairs: bool = False) -> Any:
+def pack(w: Any, k_dims: int, stacked: bool) -> Any:
     """[L?, K..., N...] (k_dims contraction dims after the optional layer axis) -> [L, P, K, 64],
     the output axis zero-padded to whole panels; other floats become float32. bfloat16 stays
     bfloat16 in K pairs: [L, P, ceil(K / 2), 128], element [l, p, j, 2c + e] = w[l, 2j + e, 64p + c]
-    (K zero-padded to even). A weight-only int8 {"q", "s"} weight keeps int8 panels (in K pairs
-    too with `pairs`: the weights of a bfloat16 model, whose activations the pair kernel takes as
-    they are) and gets its per-column scale as [L, 64 P]."""
+    (K zero-padded to even). A weight-only int8 {"q", "s"} weight keeps int8 panels, whatever the
+    model's activations (gemm picks the kernel by them), and gets its per-column scale as [L, 64 P]."""
     lead = 1 if stacked else 0
     q = w["q"] if isinstance(w, dict) else w
     L = q.shape[0] if stacked else 1
     K = math.prod(q.shape[lead:lead + k_dims])
     N = math.prod(q.shape[lead + k_dims:])
     P = num_panels(N)
-    in_pairs = q.dtype == jnp.bfloat16 or (pairs and q.dtype == jnp.int8)
+    in_pairs = q.dtype == jnp.bfloat16
 
     @jax.jit
     def _panels(a):
@@ -343,19 +341,20 @@ def _pairs(w: Any) -> bool:
 
 def gemm(x: jax.Array, w: Any, layer: Any, n: int, rows: Optional[jax.Array] = None) -> jax.Array:
     """x [M, K] @ w[layer] (packed float32 or bfloat16, or int8 {"q", "s"}) -> [M, n] float32.
-    x is computed in float32 for panels of 64 columns (float32, int8; as XLA's
-    preferred_element_type) and rounded to bfloat16 for the K-pair panels (bfloat16 weights and
-    a bfloat16 model's int8 ones: its activations already are bfloat16). `rows` (an int32
-    scalar, or None for all M): only x's first `rows` rows are computed, the rest of the result
-    is zeros (a ragged step's padding tokens; cpu.cc: live_rows)."""
+    x is computed in float32 for float32 panels (as XLA's preferred_element_type) and rounded to
+    bfloat16 for the K-pair panels of bfloat16 weights. int8 panels take x as it comes: bfloat16
+    (a bfloat16 model's activations) as it is (cpu.cc's GemmI8BF16Impl), anything else in float32.
+    `rows` (an int32 scalar, or None for all M): only x's first `rows` rows are computed, the rest
+    of the result is zeros (a ragged step's padding tokens; cpu.cc: live_rows)."""
     _require()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     li = jnp.asarray(layer, jnp.int32).reshape(())
     if rows is not None:                 # the layer operand becomes [layer, rows]
         li = jnp.stack([li, jnp.asarray(rows, jnp.int32).reshape(())])
-    if _pairs(w):
+    bf16_x = _pairs(w) or (isinstance(w, dict) and x.dtype == jnp.bfloat16)
+    if bf16_x:
         xb = x.astype(jnp.bfloat16)
-        if xb.shape[1] % 2:                                   # the pair layout's zero row
+        if xb.shape[1] % 2:                                   # the pair loops' zero row
             xb = jnp.pad(xb, ((0, 0), (0, 1)))
         if isinstance(w, dict):
             return jax.ffi.ffi_call(I8_BF16_TARGET, out)(xb, w["q"], w["s"], li)
@@ -403,7 +402,7 @@ def linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int, out_tail: tuple[
     K = math.prod(x.shape[x.ndim - k_dims:])
     n = math.prod(out_tail)
     q = w["q"] if isinstance(w, dict) else w
-    if tuple(q.shape[1:]) != packed_shape((), K, n, q.dtype, pairs=_pairs(w)):
+    if tuple(q.shape[1:]) != packed_shape((), K, n, q.dtype):
         raise ValueError(f"packed weight {q.shape} does not fit input {x.shape} -> {out_tail}")
     y = gemm(x.reshape(-1, K), w, layer, n, rows)
     return y.reshape(lead + tuple(out_tail))

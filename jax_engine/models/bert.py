@@ -565,7 +565,7 @@ def pack_for_kernel(model: "EncoderModel", c: EncoderConfig) -> "EncoderModel":
         paths = c.matmul_plan.layouts(name)
         if "kernel" in paths:
             w = d.weight[...]
-            d.panels = _param(cpu_kernels.pack(w, 1, stacked=True, pairs=w.dtype == jnp.bfloat16))
+            d.panels = _param(cpu_kernels.pack(w, 1, stacked=True))
             if "xla" not in paths:
                 d.weight = None
     return model

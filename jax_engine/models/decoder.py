@@ -422,17 +422,16 @@ def pack_for_kernel(m: CausalLM) -> CausalLM:
     if cfg.matmul in ("xla", "blas"):
         return m
     embed = m.model.embed_tokens.weight[...]
-    pairs = embed.dtype == jnp.bfloat16                   # bfloat16 activations: int8 in K pairs too
     mats = linears(m)
     if "kernel" in layouts_of(cfg, "lm_head") and cfg.tie_embeddings:
         m.lm_head = Linear("lm_head", "lm_head", None)
-        m.lm_head.set_panels(cpu_kernels.pack(embed.T, 1, stacked=False, pairs=pairs), keep_xla=False)
+        m.lm_head.set_panels(cpu_kernels.pack(embed.T, 1, stacked=False), keep_xla=False)
     for name, lin_ in mats.items():
         lay = layouts_of(cfg, name)
         if "kernel" not in lay:
             continue
         stacked = name != "lm_head"
-        packed = cpu_kernels.pack(lin_.xla_weight(), K_DIMS.get(name, 1), stacked=stacked, pairs=pairs)
+        packed = cpu_kernels.pack(lin_.xla_weight(), K_DIMS.get(name, 1), stacked=stacked)
         lin_.set_panels(packed, keep_xla="xla" in lay)
     return m
 

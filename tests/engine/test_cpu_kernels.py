@@ -86,7 +86,8 @@ def test_gemm_from_concurrent_programs_matches_numpy():
 
 def test_gemm_live_rows_compute_the_real_tokens_and_zero_the_padding():
     """`rows` (a ragged step's real tokens): the first rows equal the full product, the padding
-    rows come out zero whatever x holds there (NaN included), for all four weight layouts."""
+    rows come out zero whatever x holds there (NaN included), for the three weight layouts and
+    int8 under bfloat16 activations (its own kernel)."""
     from jax_engine.models.llama_weights import quantize_int8
 
     rng = np.random.default_rng(21)
@@ -96,18 +97,19 @@ def test_gemm_live_rows_compute_the_real_tokens_and_zero_the_padding():
     layouts = {"float32": (K.pack(jnp.asarray(w), 1, stacked=True), jnp.float32),
                "int8": (K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True), jnp.float32),
                "bfloat16": (K.pack(jnp.asarray(w).astype(jnp.bfloat16), 1, stacked=True), jnp.bfloat16),
-               "int8 pairs": (K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True, pairs=True),
-                              jnp.bfloat16)}
+               "int8, bfloat16 x": (K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True),
+                                    jnp.bfloat16)}
     x = rng.standard_normal((M, K_), dtype=np.float32)
     for name, (packed, dt) in layouts.items():
         f = jax.jit(lambda x, w, r: K.gemm(x, w, 1, N, r))
-        full = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, 1, N))(jnp.asarray(x, dt), packed))
+        alone = jax.jit(lambda x, w: K.gemm(x, w, 1, N))
         for live in (0, 1, 7, 19, M, M + 5):
             xp = x.copy()
             xp[min(live, M):] = np.nan
             got = np.asarray(f(jnp.asarray(xp, dt), packed, jnp.int32(live)))
             r = min(live, M)
-            np.testing.assert_array_equal(got[:r], full[:r], err_msg=name)
+            if r:       # the live rows as the product of those rows alone (the same row count's loop)
+                np.testing.assert_array_equal(got[:r], np.asarray(alone(jnp.asarray(x[:r], dt), packed)), err_msg=name)
             assert (got[r:] == 0).all(), (name, live)
 
 
@@ -131,7 +133,7 @@ def test_gemm_bias_gelu_matches_the_exact_gelu(M, K_, N):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert np.abs(want).max() > 3           # the erf is exercised past its linear range
     with pytest.raises(ValueError, match="float32 panels"):
-        K.gemm_bias(x, K.pack(jnp.asarray(w, jnp.bfloat16), 1, True, pairs=True), 1, b, gelu=True)
+        K.gemm_bias(x, K.pack(jnp.asarray(w, jnp.bfloat16), 1, True), 1, b, gelu=True)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
@@ -211,17 +213,20 @@ def test_bfloat16_gemm_matches_numpy():
                 np.testing.assert_allclose(K.reference_gemm(xf, packed, li, N), want, rtol=1e-6, atol=1e-5)
 
 
-def test_int8_pairs_gemm_matches_numpy():
-    """int8 weights of a bfloat16 model (K-pair panels, bfloat16 activations, per-column scale):
-    every int8 value is exact in bfloat16, so against float64 NumPy only the summation order
-    differs. The same shapes as the bfloat16 test (odd K, several K passes, M past one tile)."""
+def test_int8_gemm_under_bfloat16_activations_matches_numpy():
+    """int8 weights of a bfloat16 model (the plain int8 panels, bfloat16 x, per-column scale;
+    cpu.cc GemmI8BF16Impl): rows 2j and 2j + 1 widened into bfloat16 pairs, in registers up to 6
+    rows (K even), through a per-chunk L1 buffer above 6 rows or for an odd K. Every int8 value is
+    exact in bfloat16, so against float64 NumPy only the summation order differs. Shapes: odd K
+    (the last pair's odd weight row past K, zero), several K passes (301 rows: three of 64 pairs),
+    M on both sides of 6 and past one register tile."""
     rng = np.random.default_rng(13)
-    for L, K_, N, Ms in ((2, 80, 150, (1, 6, 9)), (1, 301, 64, (13, 400))):
+    for L, K_, N, Ms in ((2, 80, 150, (1, 6, 7, 9)), (1, 301, 64, (1, 5, 13, 400))):
         q = rng.integers(-127, 128, (L, K_, N), dtype=np.int8)
         s = (rng.random((L, N), dtype=np.float32) + 0.5) / 64
-        packed = K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True, pairs=True)
-        assert packed["q"].dtype == jnp.int8 and packed["q"].shape == K.packed_shape((L,), K_, N, jnp.int8, pairs=True)
-        assert int(packed["q"][L - 1, 0, 3, 2 * 5 + 1]) == q[L - 1, 7, 5]
+        packed = K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True)
+        assert packed["q"].dtype == jnp.int8 and packed["q"].shape == K.packed_shape((L,), K_, N, jnp.int8)
+        assert int(packed["q"][L - 1, 0, 7, 5]) == q[L - 1, 7, 5]
         for M in Ms:
             x = jnp.asarray(rng.standard_normal((M, K_), dtype=np.float32)).astype(jnp.bfloat16)
             xf = np.asarray(x.astype(jnp.float32)).astype(np.float64)
@@ -230,6 +235,16 @@ def test_int8_pairs_gemm_matches_numpy():
                 want = xf @ (q[li].astype(np.float64) * s[li].astype(np.float64))
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
                 np.testing.assert_allclose(K.reference_gemm(xf, packed, li, N), want, rtol=1e-6, atol=1e-5)
+    # the in-register loop (<= 6 rows) and the buffered one add in the same order: a row's bits do
+    # not depend on how many rows ride with it (7 and 9 rows: buffered, off AMX tiles, which start
+    # at 16)
+    q = rng.integers(-127, 128, (1, 768, 128), dtype=np.int8)
+    packed = K.pack({"q": jnp.asarray(q), "s": jnp.asarray(np.full((1, 128), 0.01, np.float32))}, 1, stacked=True)
+    x = jnp.asarray(rng.standard_normal((1, 768), dtype=np.float32)).astype(jnp.bfloat16)
+    f = jax.jit(lambda x, w: K.gemm(x, w, 0, 128))
+    one = np.asarray(f(x, packed))
+    for M in (2, 7, 9):
+        np.testing.assert_array_equal(np.asarray(f(jnp.tile(x, (M, 1)), packed)), np.tile(one, (M, 1)), err_msg=f"M={M}")
 
 
 def _cpu_flags() -> set[str]:
@@ -255,7 +270,7 @@ def test_amx_tiles_match_numpy():
     s = (rng.random((L, N), dtype=np.float32) + 0.5) / 64
     weights = {
         "bfloat16": (K.pack(w, 1, stacked=True), np.asarray(w.astype(jnp.float32)).astype(np.float64)),
-        "int8": (K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True, pairs=True),
+        "int8": (K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True),
                  q.astype(np.float64) * s[:, None, :].astype(np.float64)),
     }
     for name, (packed, wf) in weights.items():
@@ -476,8 +491,8 @@ def test_bfloat16_int8_model_serves_through_the_pair_kernel(tmp_path):
         eng.load_all(progress=False, warmup=True)
         try:
             qkv = eng.worker("m").replicas[0].runner.model().model.layers.self_attn.qkv_proj
-            pairs = qkv.panels is not None and qkv.panels_scale is not None and qkv.panels[...].shape[-1] == 2 * K.PANEL
-            assert pairs == (path_kind == "kernel")
+            panels = qkv.panels is not None and qkv.panels_scale is not None and qkv.panels[...].shape[-1] == K.PANEL
+            assert panels == (path_kind == "kernel")
             assert (qkv.weight is not None and qkv.weight[...].dtype == jnp.int8) == (path_kind == "xla")
             out[path_kind] = asyncio.run(greedy_all(eng, prompts, 12, model="m"))
             assert eng.compilations_after_warmup() == 0
