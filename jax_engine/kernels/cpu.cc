@@ -24,8 +24,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 #include <algorithm>
@@ -647,15 +647,18 @@ ffi::Error GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsI8 w,
 typedef unsigned v16ui __attribute__((vector_size(64)));
 typedef unsigned v16uiu __attribute__((vector_size(64), aligned(4), may_alias));
 
+// 16 columns of two int8 weight rows (even, odd) as bfloat16 pairs (even in the low half): an int8
+// value converted to float32 has a zero low half, so its bfloat16 is the float's upper 16 bits.
+inline v16ui int8_pair_bits(v16 even, v16 odd) {
+  return (reinterpret_cast<v16ui>(even) >> 16) | (reinterpret_cast<v16ui>(odd) & 0xFFFF0000u);
+}
+
 #ifdef __AVX512BF16__
 // 16 columns' bfloat16 pairs of one K pair (columns 16 v .. 16 v + 15)
 inline __m512bh pairs_bh(const uint32_t* row, int v) { return (__m512bh)_mm512_loadu_si512(row + 16 * v); }
-// the same from plain int8 rows 2j (`row`) and 2j + 1 (the next 64 bytes): an int8 value converted
-// to float32 has a zero low half, so its bfloat16 is the float's upper 16 bits (a shift, a mask)
+// the same from plain int8 rows 2j (`row`) and 2j + 1 (the next 64 bytes)
 inline __m512bh pairs_bh(const int8_t* row, int v) {
-  const v16ui lo = reinterpret_cast<v16ui>(load_w(row + 16 * v));
-  const v16ui hi = reinterpret_cast<v16ui>(load_w(row + kTile + 16 * v));
-  return (__m512bh)((lo >> 16) | (hi & 0xFFFF0000u));
+  return (__m512bh)int8_pair_bits(load_w(row + 16 * v), load_w(row + kTile + 16 * v));
 }
 #else
 // The same 16 columns as two float vectors: even K row (lo) and odd K row (hi).
@@ -801,18 +804,16 @@ constexpr int64_t kKc2 = 64;   // K pairs per pass: 64 x 64 columns x 4 bytes = 
 constexpr int64_t kPfPairs = 32;
 
 // K pairs [j0, j0 + kn2) of a plain int8 panel ([K, 64], K rows) as bfloat16 pairs, into dst
-// [kn2, 64]: lane c of pair j = (w[2j, c], w[2j + 1, c]), the odd row zero past K. Exact: an int8
-// value converted to float32 has a zero low half, so its bfloat16 is the float's upper 16 bits.
+// [kn2, 64]: lane c of pair j = (w[2j, c], w[2j + 1, c]), the odd row zero past K (exact:
+// int8_pair_bits).
 inline void widen_plain(const int8_t* panel, int64_t K, int64_t j0, int64_t kn2, uint32_t* dst) {
   for (int64_t j = 0; j < kn2; ++j) {
     const int64_t k = 2 * (j0 + j);
     const int8_t* even = panel + k * kTile;
     const bool odd = k + 1 < K;
-    for (int v = 0; v < kVec; ++v) {
-      const v16ui lo = reinterpret_cast<v16ui>(load_w(even + 16 * v));
-      const v16ui hi = odd ? reinterpret_cast<v16ui>(load_w(even + kTile + 16 * v)) : v16ui{};
-      *reinterpret_cast<v16uiu*>(dst + j * kTile + 16 * v) = (lo >> 16) | (hi & 0xFFFF0000u);
-    }
+    for (int v = 0; v < kVec; ++v)
+      *reinterpret_cast<v16uiu*>(dst + j * kTile + 16 * v) =
+          int8_pair_bits(load_w(even + 16 * v), odd ? load_w(even + kTile + 16 * v) : v16{});
   }
 }
 
