@@ -364,16 +364,19 @@ def gemm(x: jax.Array, w: Any, layer: Any, n: int, rows: Optional[jax.Array] = N
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w, li)
 
 
-def gemm_bias(x: jax.Array, w: jax.Array, layer: Any, bias: jax.Array, gelu: bool = False) -> jax.Array:
+def gemm_bias(x: jax.Array, w: jax.Array, layer: Any, bias: jax.Array, gelu: bool = False,
+              rows: Optional[jax.Array] = None) -> jax.Array:
     """x [M, K] @ w[layer] + bias [N], then (`gelu`) HF's exact (erf) GELU; float32 panels only
     (cpu.cc: XlaserveGemmBiasF32 / XlaserveGemmBiasGeluF32): an encoder's projection, its bias
-    and activation in one pass over the output."""
+    and activation in one pass over the output. `rows` as gemm's: rows past it are zeros (no bias)."""
     _require()
     if _pairs(w) or isinstance(w, dict):
         raise ValueError("gemm_bias takes float32 panels only")
     n = bias.shape[-1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     li = jnp.asarray(layer, jnp.int32).reshape(())
+    if rows is not None:                 # the layer operand becomes [layer, rows] (cpu.cc: live_rows)
+        li = jnp.stack([li, jnp.asarray(rows, jnp.int32).reshape(())])
     return jax.ffi.ffi_call(GELU_TARGET if gelu else BIAS_TARGET, out)(
         x.astype(jnp.float32), w, li, bias.astype(jnp.float32))
 

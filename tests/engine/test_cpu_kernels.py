@@ -133,6 +133,15 @@ def test_gemm_bias_gelu_matches_the_exact_gelu(M, K_, N):
     assert np.abs(want).max() > 3           # the erf is exercised past its linear range
     with pytest.raises(ValueError, match="float32 panels"):
         K.gemm_bias(x, K.pack(jnp.asarray(w, jnp.bfloat16), 1, True), 1, b, gelu=True)
+    # `rows` (packed encoder inputs: the bucket's padding tokens after them): the first rows as
+    # above, bit for bit, the rest zeros without bias or GELU, whatever x holds there
+    live = M // 2
+    xp = x.copy()
+    xp[live:] = np.nan
+    g = jax.jit(lambda x, p, b, r: K.gemm_bias(x, p, 1, b, True, r))
+    part = np.asarray(g(xp, packed, b, jnp.int32(live)))
+    np.testing.assert_array_equal(part[:live], got[:live])
+    assert (part[live:] == 0).all()
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])

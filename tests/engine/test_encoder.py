@@ -308,6 +308,47 @@ def test_random_mix_compiles_nothing_after_warmup(minilm_worker, sentences, st_r
     assert stats.total_prompt_tokens > 0
 
 
+def test_packed_programs_skip_the_padding_tokens_in_the_kernel(minilm_worker, sentences, st_reference):
+    """A packed program's matrices run over the tokens its inputs cover, not its whole bucket: every
+    kernel projection of the 40-token program gets the live row count (the [layer, rows] operand,
+    cpu.cc live_rows), which is the inputs' total; the embeddings still match
+    sentence-transformers."""
+    import jax
+
+    from jax_engine.kernels import cpu as cpu_kernels
+
+    w = minilm_worker
+    if not w.packed:
+        pytest.skip("inputs are packed only where the CPU attention kernel serves every program")
+    T = 40
+    assert T in w.token_buckets
+    ids = np.full(T, w.cfg.pad_token_id, np.int32)
+    ids[:37] = np.arange(37) + 1000
+    z = np.zeros(T, np.int32)
+    starts, lens = z.copy(), z.copy()
+    lens[0] = 37
+    p = bert.Packed(ids, z, np.arange(T, dtype=np.int32), np.where(np.arange(T) < 37, 0, T).astype(np.int32),
+                    starts, lens)
+
+    def ffi_layers(jaxpr) -> list[tuple]:
+        out = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") in (
+                    cpu_kernels.BIAS_TARGET, cpu_kernels.GELU_TARGET, cpu_kernels.TARGET):
+                out.append(eqn.invars[2].aval.shape)
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        out += ffi_layers(inner)
+        return out
+
+    shapes = ffi_layers(jax.make_jaxpr(w._forward_packed)(w.flat.leaves, p).jaxpr)
+    assert len(shapes) == 4 and all(s == (2,) for s in shapes), shapes     # qkv, out, ffn in, ffn out
+    got = run(w, EmbedRequest("packed-live", texts=sentences[:3])).embeddings
+    assert cosine_rows(got, st_reference[:3]).min() >= 0.9999
+
+
 def test_mixed_lengths_grouped_match_sentence_transformers(minilm_worker, sentences, st_reference):
     """One request of 57 inputs from 3 to 256 tokens: grouped by length, scattered back in order."""
     rng = random.Random(5)
