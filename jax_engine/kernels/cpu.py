@@ -339,6 +339,15 @@ def _pairs(w: Any) -> bool:
     return (w["q"] if isinstance(w, dict) else w).shape[-1] == 2 * PANEL
 
 
+def _layer_operand(layer: Any, rows: Optional[jax.Array]) -> jax.Array:
+    """The GEMM kernels' layer operand: the layer index as an int32 scalar, or with `rows` the pair
+    [layer, rows] (cpu.cc: live_rows)."""
+    li = jnp.asarray(layer, jnp.int32).reshape(())
+    if rows is None:
+        return li
+    return jnp.stack([li, jnp.asarray(rows, jnp.int32).reshape(())])
+
+
 def gemm(x: jax.Array, w: Any, layer: Any, n: int, rows: Optional[jax.Array] = None) -> jax.Array:
     """x [M, K] @ w[layer] (packed float32 or bfloat16, or int8 {"q", "s"}) -> [M, n] float32.
     x is computed in float32 for float32 panels (as XLA's preferred_element_type) and rounded to
@@ -348,9 +357,7 @@ def gemm(x: jax.Array, w: Any, layer: Any, n: int, rows: Optional[jax.Array] = N
     of the result is zeros (a ragged step's padding tokens; cpu.cc: live_rows)."""
     _require()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    li = jnp.asarray(layer, jnp.int32).reshape(())
-    if rows is not None:                 # the layer operand becomes [layer, rows]
-        li = jnp.stack([li, jnp.asarray(rows, jnp.int32).reshape(())])
+    li = _layer_operand(layer, rows)
     bf16_x = _pairs(w) or (isinstance(w, dict) and x.dtype == jnp.bfloat16)
     if bf16_x:
         xb = x.astype(jnp.bfloat16)
@@ -374,9 +381,7 @@ def gemm_bias(x: jax.Array, w: jax.Array, layer: Any, bias: jax.Array, gelu: boo
         raise ValueError("gemm_bias takes float32 panels only")
     n = bias.shape[-1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    li = jnp.asarray(layer, jnp.int32).reshape(())
-    if rows is not None:                 # the layer operand becomes [layer, rows] (cpu.cc: live_rows)
-        li = jnp.stack([li, jnp.asarray(rows, jnp.int32).reshape(())])
+    li = _layer_operand(layer, rows)
     return jax.ffi.ffi_call(GELU_TARGET if gelu else BIAS_TARGET, out)(
         x.astype(jnp.float32), w, li, bias.astype(jnp.float32))
 
