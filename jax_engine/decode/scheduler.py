@@ -258,13 +258,18 @@ class Scheduler:
 
     def _draft(self, d: Drafter, decoding: list[Sequence], room: int, chunk_tokens: int) -> int:
         """_plan_drafts' planning, once the drafter's gate is open."""
-        limits = []
+        limits, ends = [], []
         for seq in decoding:
             assert seq.spec is not None
-            limits.append(max(0, min(room, d.max_tokens, seq.req.max_new_tokens - len(seq.output_ids) - 1,
-                                     self.max_model_len - seq.total_len - 1)) if d.ready(seq.spec) else 0)
+            ends.append(max(0, min(seq.req.max_new_tokens - len(seq.output_ids) - 1,
+                                   self.max_model_len - seq.total_len - 1)))
+            limits.append(min(room, d.max_tokens, ends[-1]) if d.ready(seq.spec) else 0)
         if not any(limits):
             return 0
+        # the rows' ends matter to the pricing only when no prompt would share the next step
+        # (Drafter._finish): beside a prompt's chunk the leftover tokens ride along; a request
+        # still waiting is waiting for these rows' slots or pages, and gets them sooner
+        alone = None if chunk_tokens or self.prefilling else ends
         # rows whose guesses could not pay even if every guess came: skip their proposer's work
         tracks = [s.spec for s in decoding]
         greedy = all(s.req.params.temperature <= 0 for s in decoding)     # which cost table prices it
@@ -272,7 +277,7 @@ class Scheduler:
         def cost(tokens: int, spec: bool) -> float:
             return self.runner.step_cost(tokens, spec, greedy) + d.host_cost(spec)
         widths = self.runner.token_buckets
-        could = d.choose([[0] * k for k in limits], tracks, len(decoding), room, cost, chunk_tokens, widths)
+        could = d.choose([[0] * k for k in limits], tracks, len(decoding), room, cost, chunk_tokens, widths, alone)
         props: list[list[int]] = []
         for seq, limit, c in zip(decoding, limits, could):
             g = d.propose(seq.spec, seq.tokens, limit) if c > 0 else []
@@ -281,7 +286,7 @@ class Scheduler:
             props.append(g)
         if not any(props):
             return 0
-        take = d.choose(props, tracks, len(decoding), room, cost, chunk_tokens, widths)
+        take = d.choose(props, tracks, len(decoding), room, cost, chunk_tokens, widths, alone)
         total, ps = 0, self.page_size
         for seq, g, k in zip(decoding, props, take):
             g, n = g[:k], seq.total_len

@@ -503,6 +503,30 @@ def test_guesses_of_a_decode_only_step_may_pass_the_latency_budget():
     assert mixed and all(st.num_tokens <= sched.budget for st in mixed)
 
 
+def test_rows_that_can_end_together_do_so_instead_of_leaving_a_step_of_leftovers():
+    """Two answers with 7 tokens left each (6 guesses a row, 14 tokens) and a cost table where the
+    one-step pricing stops at 8 tokens (8 / 1.0 ms beats 14 / 1.8): with no prompt to share the
+    next step, the step verifies every guess left (Drafter._finish) rather than leave 3 tokens a
+    row for a 6-token step of their own; so also while a third request waits for their slots."""
+    for waiting in (False, True):
+        runner = SpecFakeRunner(max_running=2, max_batched_tokens=16)
+        runner.max_tokens = 32
+        cost = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.8, 32: 3.0}
+        runner.step_cost = lambda T, spec, greedy=True: next(v for b, v in sorted(cost.items()) if b >= T)
+        sched, drafter = spec_scheduler(runner, 8)
+        drafter.prior = 0.999                       # the guesses have always been right
+        drafter.observe_host = lambda verified, ms: None      # price the table alone (no host time)
+        outs = [submit(sched, f"r{i}", [10 * i + 1, 10 * i + 2], 40) for i in range(2 + waiting)]
+        run(sched)
+        shape = [(len(st.rows), st.num_tokens) for st in runner.steps]
+        # prompts, 4 steps of 8 tokens a row, then the last 7 of each row in one step
+        assert shape[:6] == [(2, 4), (2, 16), (2, 16), (2, 16), (2, 16), (2, 14)], shape
+        if waiting:
+            assert runner.steps[6].chunks and tokens(outs[2]) == list(range(23, 63))
+        assert [tokens(o) for o in outs[:2]] == [list(range(3, 43)), list(range(13, 53))]
+        assert sched.pool.num_used() == 0 and sorted(sched.free_slots) == list(range(sched.max_running))
+
+
 def test_host_time_of_verifying_steps_is_measured_and_priced(monkeypatch):
     """The scheduler measures its own time per step outside the step program's call, apart for
     steps with and without guesses, and the planner prices guesses with it (on a fake clock: the

@@ -93,6 +93,30 @@ def test_prefill_tokens_in_the_step_are_priced_as_its_base():
     assert d.choose(props, tracks, 4, 32, c, chunk_tokens=28) == [0] * 4         # 32: any guess costs 64
 
 
+def test_rows_that_can_all_end_now_verify_every_guess_left():
+    """When every row's guesses run to its request's end and nothing else waits (`ends`), the
+    step takes them all if what that adds costs less than the step the leftovers would need
+    alone, weighted by the chance that every guess is accepted. Measured costs of the trained
+    model (ms): the 8 rows' last 15 tokens each fit 128, the one-step pricing stops at 112."""
+    cost = {8: 1.4, 16: 2.0, 112: 6.5, 128: 7.3, 160: 9.5}
+
+    def c(T, spec):
+        return next(v for b, v in sorted(cost.items()) if b >= T)
+
+    d = _drafter()
+    d.max_tokens = 16
+    props = [[7] * 14] * 8                  # 8 decode tokens + 112 guesses = 120 tokens
+    sure = [_track(0.999)] * 8
+    myopic = d.choose(props, sure, 8, 248, c, widths=sorted(cost))
+    assert sum(myopic) == 104               # 112 tokens: (8 + 104) / 6.5 beats 120 / 7.3
+    assert d.choose(props, sure, 8, 248, c, widths=sorted(cost), ends=[14] * 8) == [14] * 8
+    # a row whose proposal stops short of its end cannot end now: the one-step pricing decides
+    assert d.choose(props, sure, 8, 248, c, widths=sorted(cost), ends=[14] * 7 + [20]) == myopic
+    # likely rejections: the leftover step would be needed anyway
+    unsure = [_track(0.97)] * 8             # 0.97^112 ~ 0.03
+    assert sum(d.choose(props, unsure, 8, 248, c, widths=sorted(cost), ends=[14] * 8)) < 112
+
+
 def test_new_sequences_start_from_the_recent_acceptance():
     """A new sequence's q is the drafter's recent acceptance, not a constant: after many poor
     verifications new rows bet less (never below min_accept_rate), after good ones more."""
