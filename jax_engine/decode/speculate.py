@@ -236,7 +236,7 @@ class Drafter:
         twice before every step; on 8 rows x 8 guesses it took ~50 us a call).
 
         `ends` (per row, the number of guesses after which its request is complete; given when
-        nothing else waits to run, see _finish): see _finish."""
+        no prompt would share the next step): see _finish."""
         take = [0] * len(proposals)
         for tr in tracks:
             tr.explored = False
@@ -281,8 +281,8 @@ class Drafter:
     @staticmethod
     def _finish(items: list[tuple[float, int, int]], best: int, proposals: Sequence[Sequence[int]],
                 rates: Sequence[float], ends: Sequence[int], base: int, cost: Callable[[int, bool], float]) -> int:
-        """The guess count to verify when every row's proposal runs to its request's end and
-        nothing else waits to run: all of them, where what that adds to this step is less than
+        """The guess count to verify when every row's proposal runs to its request's end and no
+        prompt would share the next step: all of them, where what that adds to this step is less than
         the expected cost of the step the rows' leftovers would otherwise need on their own (its
         cost times the chance that every row ends now: every guess accepted, the product of each
         row's q^guesses). The one-step pricing does not see that step: 8 rows of a repeated
