@@ -94,8 +94,8 @@ def test_prefill_tokens_in_the_step_are_priced_as_its_base():
 
 
 def test_rows_that_can_all_end_now_verify_every_guess_left():
-    """When every row's guesses run to its request's end and nothing else waits (`ends`), the
-    step takes them all if what that adds costs less than the step the leftovers would need
+    """When every row's guesses run to its request's end and no prompt would share the next step
+    (`ends`), the step takes them all if what that adds costs less than the step the leftovers would need
     alone, weighted by the chance that every guess is accepted. Measured costs of the trained
     model (ms): the 8 rows' last 15 tokens each fit 128, the one-step pricing stops at 112."""
     cost = {8: 1.4, 16: 2.0, 112: 6.5, 128: 7.3, 160: 9.5}
