@@ -361,7 +361,7 @@ class Scheduler:
                 n0, lo = first.steps, seq.req.params.min_new_tokens
                 samples += [SampleRow(seq.slot, first.at_step(n0 + j, first.ban if n0 + j < lo else []), j,
                                       g[j] if j < len(g) else -1, g[:j]) for j in range(1, len(g) + 1)]
-            rows.append(StepRow(tokens=[seq.tokens[-1]] + g, start=pos, pages=seq.pages,
+            rows.append(StepRow(tokens=[seq.last_token] + g, start=pos, pages=seq.pages,
                                 samples=samples, lora_slot=seq.req.lora_slot))
             owners.append((seq, g))
         for seq, n in chunks:
@@ -569,29 +569,33 @@ class Scheduler:
         # verifying step emits up to k + 1 tokens a row)
         per_token = detok is not None and bool(detok.stops)
         stop_str = None
-        for i in range(j, j + n):
-            tok = int(res.tokens[i])
-            seq.num_computed = seq.total_len    # the KV of every token before this one (guesses included)
-            seq.output_ids.append(tok)
-            self.total_generated_tokens += 1
+        # the loop's lookups as locals and the tokens as Python ints in one call: a verifying row
+        # hands over up to k + 1 tokens a step; 17 tokens took 8.3 us a call, 4.0 so (2-vCPU Zen 4,
+        # without a detokenizer)
+        out_ids, plen, grammar = seq.output_ids, len(req.prompt_ids), seq.grammar
+        stop_ids, min_new, max_new, max_len = p.stop_token_ids, p.min_new_tokens, req.max_new_tokens, self.max_model_len
+        eos = () if p.ignore_eos else self.eos_ids
+        for i, tok in enumerate(res.tokens[j:j + n].tolist(), j):
+            seq.num_computed = plen + len(out_ids)    # the KV of every token before this one (guesses included)
+            out_ids.append(tok)
             toks.append(tok)
             if per_token:
                 stop_str = detok.add(tok)
-            n_out = len(seq.output_ids)
-            if tok in p.stop_token_ids and n_out > p.min_new_tokens - 1:
+            n_out = len(out_ids)
+            if tok in stop_ids and n_out > min_new - 1:
                 finish, matched = "stop", tok
-            elif tok in self.eos_ids and not p.ignore_eos:
+            elif tok in eos:
                 finish, matched = "stop", tok
             elif stop_str is not None:
                 finish, matched = "stop", stop_str
-            elif n_out >= req.max_new_tokens or seq.total_len >= self.max_model_len:
+            elif n_out >= max_new or plen + n_out >= max_len:
                 finish = "length"
-            if seq.grammar is not None:
-                if not seq.grammar.consume(tok):
+            if grammar is not None:
+                if not grammar.consume(tok):
                     # only a min_new_tokens ban on the one token the grammar allows can get here
                     finish, matched = "error", None
-                    error = f"constraint: token {tok} is outside the grammar ({seq.grammar.error()})"
-                elif finish is None and seq.grammar.stopped():
+                    error = f"constraint: token {tok} is outside the grammar ({grammar.error()})"
+                elif finish is None and grammar.stopped():
                     finish = "stop"             # the grammar is complete: nothing more may follow
             if want_lp:
                 top_v, top_i = res.top_values[i], res.top_ids[i]
@@ -599,6 +603,7 @@ class Scheduler:
                 lps.append(TokenLogprob(tok, float(res.logprobs[i]), top))
             if finish is not None:
                 break
+        self.total_generated_tokens += len(toks)
         if detok is not None and not per_token:
             detok.add_many(toks)
         out = self._output(seq, toks, lps if want_lp else None, finish is not None)

@@ -74,6 +74,11 @@ class Sequence:
         return self.req.prompt_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        """tokens[-1] without building tokens (a decode row's query token, every step)."""
+        return self.output_ids[-1] if self.output_ids else self.req.prompt_ids[-1]
+
+    @property
     def total_len(self) -> int:
         return len(self.req.prompt_ids) + len(self.output_ids)
 

@@ -138,3 +138,30 @@ def test_ties_at_the_cut_are_kept():
     logits = np.array([2.0, 1.0, 2.0, 2.0, 0.5], np.float32)
     got, _ = draw_support(logits, dict(top_k=2), 256)
     assert got == {0, 2, 3}
+
+
+def test_host_arrays_packs_every_field_of_every_row_where_that_row_sits():
+    """host_arrays fills its arrays a column at a time (runner._step_args' host cost): every field
+    of every live row lands in that row's slot, padding rows (None, also between live ones) keep
+    the greedy no-op defaults, all 64 bits of a seed are kept, and a seed outside [0, 2^64) is
+    refused by name."""
+    rows = [SamplingRow(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, rep_pen=1.2, freq_pen=0.3,
+                        pres_pen=-0.4, seeds=2 ** 64 - 3, steps=41, bias=[(7, 2.5), (3, -1.0)], ban=[9],
+                        logprobs=True),
+            None,
+            SamplingRow(temperature=0.1234567, top_k=0, seeds=123456789012, steps=0, logprobs=False),
+            None]
+    out = S.host_arrays(rows, 5, 4, 4)
+    for i, r in ((0, rows[0]), (2, rows[2])):
+        for k in ("temperature", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen"):
+            assert out[k][i] == np.float32(getattr(r, k)), (i, k)
+        assert out["top_k"][i] == r.top_k and out["steps"][i] == r.steps and out["logprobs"][i] == r.logprobs
+        assert tuple(out["seeds"][i]) == S.seed_key(r.seeds)
+    assert out["bias_ids"][0].tolist() == [7, 3, 0, 0] and out["bias_vals"][0].tolist() == [2.5, -1.0, 0, 0]
+    assert out["ban_ids"][0].tolist() == [9, 0, 0, 0] and out["ban_on"][0].tolist() == [True, False, False, False]
+    for i in (1, 3, 4):
+        assert out["temperature"][i] == 0 and out["top_p"][i] == 1 and out["rep_pen"][i] == 1
+        assert out["steps"][i] == 0 and not out["logprobs"][i] and not out["seeds"][i].any()
+    for bad in (-1, 2 ** 64):
+        with pytest.raises(ValueError, match="seed"):
+            S.host_arrays([SamplingRow(seeds=bad)], 1, 4, 4)
