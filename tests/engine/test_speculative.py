@@ -259,11 +259,24 @@ def test_served_steps_keep_the_cost_model_current(engine):
         runner.step_ms, runner.live_offset_ms = {}, 0.0
 
 
-def test_no_compiles_after_warmup_with_speculation(engine):
+def test_no_compiles_after_warmup_with_speculation(engine, monkeypatch):
+    """Also for the steps where a prompt's last chunk carries guesses (the second pass: the
+    suffix cache knows the answers)."""
     _use(engine, "suffix")
+    runner = _sched(engine).runner
+    prompt_guesses = []
+    step = runner.step
+
+    def spy(rows, greedy, masks=None):
+        # a decode row's first sample sits at its token 0; a prompt chunk's at its last token
+        prompt_guesses.extend(len(r.samples) - 1 for r in rows if r.samples and r.samples[0].at > 0)
+        return step(rows, greedy, masks)
+    monkeypatch.setattr(runner, "step", spy)
+    _run_all(engine, _requests())
     _run_all(engine, _requests())
     st = engine.stats("gen")
     assert st.compilations_after_warmup == 0
+    assert max(prompt_guesses) > 0
     assert st.spec is None or st.spec.method in ("ngram", "suffix")
 
 

@@ -455,6 +455,11 @@ def spec_scheduler(runner: SpecFakeRunner, k: int, proposer=_CountingProposer):
     return sched, drafter
 
 
+def guesses(row: StepRow) -> int:
+    """How many proposed tokens ride at the end of a step row (a sample row checks each)."""
+    return sum(smp.draft >= 0 for smp in row.samples)
+
+
 def test_guesses_take_only_the_room_prompt_chunks_leave():
     """Prefill chunks are planned before guesses: a prompt arriving while a sequence speculates
     is chunked exactly as without speculation (budget minus the decode tokens), and the
@@ -469,10 +474,11 @@ def test_guesses_take_only_the_room_prompt_chunks_leave():
     longer = submit(sched, "long", list(range(100, 140)), 3)
     run(sched)
     long_steps = [(st, row) for st in runner.steps for p, row in st.chunks if p.rid == "long"]
-    assert [len(row.tokens) for _, row in long_steps] == [15, 15, 10]    # as without speculation
-    # the step with the last, 10-token chunk has room for the decode row's 4 guesses + 1 = 5 tokens
-    st, _ = long_steps[-1]
-    assert [len(r.tokens) for r in st.rows][:1] == [5] and st.num_tokens == 15
+    assert [len(row.tokens) - guesses(row) for _, row in long_steps] == [15, 15, 10]    # as without speculation
+    # the step with the last, 10-token chunk has room for the decode row's 4 guesses + 1 = 5 tokens,
+    # and the prompt it ends takes the budget's last token for a guess after its first token
+    st, row = long_steps[-1]
+    assert [len(r.tokens) for r in st.rows][:1] == [5] and guesses(row) == 1 and st.num_tokens == 16
     assert all(len(st.rows[0].tokens) == 1 for st, _ in long_steps[:2])  # full chunks: no room
     assert tokens(short) == list(range(13, 43)) and tokens(longer) == [140, 141, 142]
     assert drafter.accepted_tokens == drafter.proposed_tokens > 0
@@ -516,15 +522,45 @@ def test_rows_that_can_end_together_do_so_instead_of_leaving_a_step_of_leftovers
         sched, drafter = spec_scheduler(runner, 8)
         drafter.prior = 0.999                       # the guesses have always been right
         drafter.observe_host = lambda verified, ms: None      # price the table alone (no host time)
-        outs = [submit(sched, f"r{i}", [10 * i + 1, 10 * i + 2], 40) for i in range(2 + waiting)]
+        outs = [submit(sched, f"r{i}", [10 * i + 1, 10 * i + 2], 46) for i in range(2 + waiting)]
         run(sched)
         shape = [(len(st.rows), st.num_tokens) for st in runner.steps]
-        # prompts, 4 steps of 8 tokens a row, then the last 7 of each row in one step
-        assert shape[:6] == [(2, 4), (2, 16), (2, 16), (2, 16), (2, 16), (2, 14)], shape
+        # the prompts with 6 guesses each (_plan_drafts: 7 tokens a row), 4 steps of 8 tokens a
+        # row, then the last 7 of each row in one step
+        assert shape[:6] == [(2, 16), (2, 16), (2, 16), (2, 16), (2, 16), (2, 14)], shape
         if waiting:
-            assert runner.steps[6].chunks and tokens(outs[2]) == list(range(23, 63))
-        assert [tokens(o) for o in outs[:2]] == [list(range(3, 43)), list(range(13, 53))]
+            assert runner.steps[6].chunks and tokens(outs[2]) == list(range(23, 69))
+        assert [tokens(o) for o in outs[:2]] == [list(range(3, 49)), list(range(13, 59))]
         assert sched.pool.num_used() == 0 and sorted(sched.free_slots) == list(range(sched.max_running))
+
+
+def test_a_prompt_verifies_guesses_in_the_step_that_ends_it():
+    """The step that ends a prompt may carry guesses after it (_plan_drafts' prompts): with no
+    decoding stream waiting, a prompt of 6 tokens comes back with 1 + 8 tokens from its first step,
+    the same tokens as without speculation, and no page leaks. Prompts with n > 1 sequences or
+    prompt logprobs keep the plain chunk (their first tokens come alone)."""
+    runner = SpecFakeRunner(max_batched_tokens=16)
+    runner.max_tokens = 32
+    sched, drafter = spec_scheduler(runner, 8)
+    outs = submit(sched, "a", [1, 2, 3, 4, 5, 6], 20)
+    sched._drain_control()
+    sched.step()
+    first = runner.steps[0]
+    assert [len(r.tokens) for r in first.rows] == [6 + 8] and guesses(first.rows[0]) == 8
+    assert [smp.at for smp in first.rows[0].samples] == list(range(5, 14))
+    assert tokens(outs) == list(range(7, 16)) and drafter.accepted_tokens == 8
+    run(sched)
+    assert tokens(outs) == list(range(7, 27)) and outs[-1].finish_reason == "length"
+    for kw in (dict(n=2), dict(prompt_logprobs_start=0)):
+        n = len(runner.steps)
+        other = submit(sched, "b", [1, 2, 3, 4, 5, 6], 20, **kw)
+        sched._drain_control()
+        sched.step()
+        assert [guesses(r) for r in runner.steps[n].rows] == [0], kw
+        assert tokens(other) == [7]
+        run(sched)
+        assert tokens(other) == list(range(7, 27))
+    assert sched.pool.num_used() == 0 and sorted(sched.free_slots) == list(range(sched.max_running))
 
 
 def test_host_time_of_verifying_steps_is_measured_and_priced(monkeypatch):
