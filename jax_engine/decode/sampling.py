@@ -357,8 +357,8 @@ def host_arrays(rows: Sequence[Optional[SamplingRow]], R: int, num_bias: int, nu
     at = slice(0, n) if idx[-1] == n - 1 else np.asarray(idx)     # padding rows come last
     # the scalar fields a row at a time (one attrgetter tuple each) into a [rows, fields] float64
     # array, then out by column: 128 sample rows of a verifying step took 171 us as a getattr list
-    # per field written through the index list, 84 us so (2-vCPU Zen 4); float64 holds every value exactly
-    # (token counts, top-k, bools) and rounds to float32 as a Python float does
+    # per field written through the index list, 84 us so (2-vCPU Zen 4); float64 holds every
+    # value exactly (token counts, top-k, bools) and rounds to float32 as a Python float does
     cols = np.fromiter(chain.from_iterable(map(_SCALARS, live)), np.float64,
                        n * len(SCALAR_FIELDS)).reshape(n, -1)
     for c, k in enumerate(SCALAR_FIELDS):
@@ -371,22 +371,6 @@ def host_arrays(rows: Sequence[Optional[SamplingRow]], R: int, num_bias: int, nu
         raise
     out["seeds"][at, 0] = seeds >> np.uint64(32)
     out["seeds"][at, 1] = seeds & np.uint64(0xFFFFFFFF)
-    for i, r in zip(idx, live):
-        b = r.bias
-        if b:
-            ids, vals = zip(*b)
-            out["bias_ids"][i, :len(ids)] = ids
-            out["bias_vals"][i, :len(vals)] = vals
-        if r.ban:
-            out["ban_ids"][i, :len(r.ban)] = r.ban
-            out["ban_on"][i, :len(r.ban)] = True
-    return out
-    at = [i for i, _ in live]
-    # a column at a time from Python lists (an element write per field and row was ~1.5 us a row:
-    # 0.09 ms for a verifying step's 64 sample rows)
-    for k in ("temperature", "top_k", "top_p", "min_p", "rep_pen", "freq_pen", "pres_pen", "steps", "logprobs"):
-        out[k][at] = [getattr(r, k) for _, r in live]
-    out["seeds"][at] = [seed_key(r.seeds) for _, r in live]
     for i, r in zip(idx, live):
         b = r.bias
         if b:

@@ -430,7 +430,7 @@ class Scheduler:
         g: sample j checks g[j] (the last, none: a free draw) and counts g[:j] as generated."""
         first = self._sampling_row(seq)
         samples = [SampleRow(seq.slot, first, at, g[0] if g else -1)]
-        if g:           # one sample row per guess (a verifying step builds up to 128 of these)
+        if g:           # one sample row per guess (a verifying step: up to max_running x (K + 1) rows)
             n0, lo = first.steps, seq.req.params.min_new_tokens
             samples += [SampleRow(seq.slot, first.at_step(n0 + j, first.ban if n0 + j < lo else []), at + j,
                                   g[j] if j < len(g) else -1, g[:j]) for j in range(1, len(g) + 1)]
