@@ -222,9 +222,14 @@ class Scheduler:
         if self.drafter is None:
             return []
         return [seq for seq, n in chunks
-                if seq.num_computed + n >= seq.target_computed and not seq.output_ids and not seq.followers
-                and seq.req.on_embedding is None and seq.req.params.prompt_logprobs_start is None
-                and seq.grammar is None]
+                if self._draws_first_token(seq, n) and not seq.followers
+                and seq.req.params.prompt_logprobs_start is None and seq.grammar is None]
+
+    @staticmethod
+    def _draws_first_token(seq: Sequence, n: int) -> bool:
+        """Whether a chunk of n tokens ends seq's prompt and the step draws its first token there
+        (not for an embedding request, nor for a recompute after preemption, which resumes)."""
+        return seq.num_computed + n >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None
 
     def _plan_drafts(self, decoding: list[Sequence], chunk_tokens: int = 0, prompts: Optional[list[Sequence]] = None) -> int:
         """Speculation: each decoding sequence's guesses for this step (seq.drafts). Every row
@@ -386,8 +391,7 @@ class Scheduler:
             owners.append((seq, g))
         for seq, n in chunks:
             start, g = seq.num_computed, seq.drafts
-            ends_prompt = start + n >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None
-            group = [seq] + seq.followers if ends_prompt else []
+            group = [seq] + seq.followers if self._draws_first_token(seq, n) else []
             samples = (self._verify_samples(seq, n - 1, g) if g else
                        [SampleRow(s.slot, self._sampling_row(s)) for s in group])
             rows.append(StepRow(tokens=seq.tokens[start:start + n] + g, start=start, pages=seq.pages,
