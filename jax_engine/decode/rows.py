@@ -58,6 +58,9 @@ class StepRow:
     pages: list[int]                    # the sequence's page table (covers start + len(tokens))
     samples: list[SampleRow] = field(default_factory=list)   # none for a chunk that does not end a prompt
     lora_slot: int = 0                  # the LoRA adapter slot its tokens run under (0 = the base model)
+    cached: int = 0                     # leading tokens whose KV the cache already holds in a page other
+                                        # requests may share: the step computes their queries and reads
+                                        # that KV but does not write it (a fully cached prompt's last token)
 
 
 ROW_TYPES = {t.__name__: t for t in (SamplingRow, SampleRow, StepRow)}   # multihost.decode rebuilds these

@@ -507,6 +507,8 @@ class ModelRunner:
             tokens[t:t + n] = r.tokens
             positions[t:t + n] = pos
             slots[t:t + n] = pages[pos // ps] * ps + pos % ps
+            if r.cached:                 # KV already in a shared page: written to the dummy page 0 instead
+                slots[t:t + r.cached] = pos[:r.cached] % ps
             row_of[t:t + n] = i
             kv_limit[t:t + n] = pos + 1
             lora_slot[t:t + n] = r.lora_slot

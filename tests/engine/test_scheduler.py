@@ -4,9 +4,11 @@ from __future__ import annotations
 import asyncio
 import random
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_engine.decode.page_pool import chain_hashes
 from jax_engine.decode.rows import SamplingRow
 from jax_engine.errors import InvalidRequest, Overloaded
 from jax_engine.types import EmbedRequest, GenerateRequest, SamplingParams
@@ -219,6 +221,33 @@ def test_prefix_cache_reuse(engine):
     assert b[0]["final"].cached_tokens == 3 * PS and c[0]["final"].cached_tokens == 3 * PS
     assert a[0]["tokens"] == b[0]["tokens"]
     assert engine.stats("gen").prefix_cache_hit_tokens - hits0 >= 6 * PS
+
+
+def test_a_page_aligned_prompt_asked_again_computes_only_its_last_token(engine):
+    p = list(range(300, 300 + 3 * PS))          # 3 full pages, nothing after them
+    sched = engine._workers["gen"].replicas[0]
+    first = asyncio.run(run(engine, p, **greedy(None, 8, logprobs=True)))[0]
+    pages = [sched.pool._page_of[h] for h in chain_hashes(p, PS)]
+    k0, v0 = np.asarray(sched.runner.state["k"]), np.asarray(sched.runner.state["v"])
+    computed0 = sched.total_prompt_tokens
+    again = asyncio.run(run(engine, p, **greedy(None, 8, logprobs=True)))[0]
+    assert sched.total_prompt_tokens - computed0 == 1 and again["final"].cached_tokens == 3 * PS - 1
+    assert again["tokens"] == first["tokens"]
+    np.testing.assert_allclose([lp.logprob for lp in again["logprobs"]], [lp.logprob for lp in first["logprobs"]],
+                               atol=1e-5)
+    # the shared pages' KV is exactly as the first request wrote it
+    k1, v1 = np.asarray(sched.runner.state["k"]), np.asarray(sched.runner.state["v"])
+    assert k0.ndim == 4                          # [L, pages * page_size, KVH, D]
+    rows = np.concatenate([np.arange(q * PS, (q + 1) * PS) for q in pages])
+    assert np.array_equal(k0[:, rows], k1[:, rows]) and np.array_equal(v0[:, rows], v1[:, rows])
+    # and the last token's KV is read, never written: a marked value there survives a third ask
+    last = pages[-1] * PS + PS - 1
+    marked = k1.copy()
+    marked[:, last] += 1.0
+    sched.runner.state = {**sched.runner.state, "k": jnp.asarray(marked)}
+    asyncio.run(run(engine, p, **greedy(None, 2)))
+    assert np.array_equal(np.asarray(sched.runner.state["k"])[:, last], marked[:, last])
+    sched.runner.state = {**sched.runner.state, "k": jnp.asarray(k1)}
 
 
 def test_tiny_pool_preempts_and_stays_correct(model_dir, engine):

@@ -99,7 +99,7 @@ class FakeRunner:
     def step(self, rows: list[StepRow], greedy: bool, masks=None) -> StepResult:
         assert masks is None                 # no request here is constrained (tests/engine/test_constraints.py)
         running, prefilling = self._snapshot()
-        rows = [StepRow(list(r.tokens), r.start, list(r.pages), list(r.samples)) for r in rows]
+        rows = [StepRow(list(r.tokens), r.start, list(r.pages), list(r.samples), cached=r.cached) for r in rows]
         self.steps.append(Step(rows, greedy, running, prefilling))
         toks = [(r.tokens[-1] + 1) % VOCAB for r in rows for _ in r.samples]
         n, T = len(toks), sum(len(r.tokens) for r in rows)
@@ -314,6 +314,26 @@ def test_prefix_pages_are_reused_by_a_later_request():
     assert_idle_and_clean(sched)
 
 
+def test_a_fully_cached_prompt_computes_only_its_last_token_without_writing_its_kv():
+    sched = make(page_size=4)
+    prompt = list(range(1, 13))                                  # 12 tokens: 3 full pages
+    first = submit(sched, "a", prompt, 2)
+    run(sched)
+    n_before = len(sched.runner.steps)
+    again = submit(sched, "b", prompt, 2, n=2)                   # n = 2: both forks share every page
+    run(sched)
+    chunks = [row for s in sched.runner.steps[n_before:] for _, row in s.chunks]
+    # one row: the last prompt token at its position, its KV left as cached (row.cached), all 3 pages shared
+    assert [(row.start, row.tokens, row.cached) for row in chunks] == [(11, [12], 1)]
+    assert chunks[0].pages == sched.runner.steps[0].chunks[0][1].pages
+    assert [s.slot_id for s in chunks[0].samples] == [p.slots for p, _ in sched.runner.steps[n_before].chunks][0]
+    assert tokens(again, 0) == tokens(again, 1) == tokens(first) == [13, 14]
+    assert again[-1].cached_tokens == 11 and sched.pool.hit_tokens == 11
+    # a chunk that computes new tokens never marks any of them cached
+    assert all(row.cached == 0 for s in sched.runner.steps[:n_before] for row in s.rows)
+    assert_idle_and_clean(sched)
+
+
 def test_pages_running_out_preempt_the_newest_and_it_is_recomputed():
     # 6 usable pages of 4 tokens; two requests that each grow to 5 pages cannot both fit
     sched = make(num_pages=7, page_size=4, max_batched_tokens=16)
@@ -488,7 +508,8 @@ def test_guesses_take_only_the_room_prompt_chunks_leave():
 def test_guesses_of_a_decode_only_step_may_pass_the_latency_budget():
     """Three rows at K = 8 want 27 tokens, over the 16-token latency budget: with no prompt in the
     step they get them (up to the largest step program, 32 here); while a prompt is chunked beside
-    them, guesses only get what the chunks leave of the budget."""
+    them, guesses only get what the chunks leave of the budget, except in the step whose chunk
+    ends the last admitted prompt (no chunk waits behind it)."""
     runner = SpecFakeRunner(max_batched_tokens=16)
     runner.max_tokens = 32                          # a burst budget above the latency budget
     sched, drafter = spec_scheduler(runner, 8)
@@ -497,7 +518,7 @@ def test_guesses_of_a_decode_only_step_may_pass_the_latency_budget():
     assert [tokens(o) for o in outs] == [list(range(10 * i + 3, 10 * i + 43)) for i in range(3)]
     decode_only = [st for st in runner.steps if not st.chunks and len(st.rows) == 3]
     assert max(st.num_tokens for st in decode_only) == 27 > sched.budget
-    more = [submit(sched, f"s{i}", [10 * i + 1, 10 * i + 2], 30) for i in range(2)]
+    more = [submit(sched, f"s{i}", [10 * i + 1, 10 * i + 2], 80) for i in range(2)]
     sched._drain_control()
     for _ in range(3):                              # both decode (and guess) before the prompt comes
         sched.step()
@@ -506,7 +527,10 @@ def test_guesses_of_a_decode_only_step_may_pass_the_latency_budget():
     run(sched)
     assert tokens(longer) == [160, 161, 162] and all(tokens(o) for o in more)
     mixed = [st for st in runner.steps[n:] if st.chunks and st.running]
-    assert mixed and all(st.num_tokens <= sched.budget for st in mixed)
+    # 60 prompt tokens: four 14-token chunks beside the 2 decode rows, then the last 4 with guesses
+    assert [[len(r.tokens) - guesses(r) for _, r in st.chunks] for st in mixed] == [[14]] * 4 + [[4]]
+    assert all(st.num_tokens == sched.budget for st in mixed[:-1])
+    assert mixed[-1].num_tokens > sched.budget and all(guesses(r) for r in mixed[-1].decode_rows)
 
 
 def test_rows_that_can_end_together_do_so_instead_of_leaving_a_step_of_leftovers():
