@@ -248,6 +248,7 @@ def test_a_page_aligned_prompt_asked_again_computes_only_its_last_token(engine):
     asyncio.run(run(engine, p, **greedy(None, 2)))
     assert np.array_equal(np.asarray(sched.runner.state["k"])[:, last], marked[:, last])
     sched.runner.state = {**sched.runner.state, "k": jnp.asarray(k1)}
+    assert engine.compilations_after_warmup() == 0      # the 1-token row is data, not a new program
 
 
 def test_tiny_pool_preempts_and_stays_correct(model_dir, engine):

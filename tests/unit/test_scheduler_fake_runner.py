@@ -326,7 +326,8 @@ def test_a_fully_cached_prompt_computes_only_its_last_token_without_writing_its_
     # one row: the last prompt token at its position, its KV left as cached (row.cached), all 3 pages shared
     assert [(row.start, row.tokens, row.cached) for row in chunks] == [(11, [12], 1)]
     assert chunks[0].pages == sched.runner.steps[0].chunks[0][1].pages
-    assert [s.slot_id for s in chunks[0].samples] == [p.slots for p, _ in sched.runner.steps[n_before].chunks][0]
+    leader, _ = sched.runner.steps[n_before].chunks[0]
+    assert [s.slot_id for s in chunks[0].samples] == leader.slots                   # both forks draw there
     assert tokens(again, 0) == tokens(again, 1) == tokens(first) == [13, 14]
     assert again[-1].cached_tokens == 11 and sched.pool.hit_tokens == 11
     # a chunk that computes new tokens never marks any of them cached
