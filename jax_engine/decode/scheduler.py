@@ -176,7 +176,7 @@ class Scheduler:
         prompt_left = sum(s.target_computed - s.num_computed for s in self.prefilling) > chunk_tokens
         guesses = self._plan_drafts(decoding, chunk_tokens, self._guessing_prompts(chunks), prompt_left)
         if decoding or chunks:
-            tokens = len(decoding) + guesses + sum(n for _, n in chunks)
+            tokens = len(decoding) + guesses + chunk_tokens
             if tokens - guesses > self.budget:
                 self.burst_steps += 1
             self._run_step(decoding, chunks, t0, guesses > 0)
