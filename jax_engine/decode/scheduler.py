@@ -173,8 +173,7 @@ class Scheduler:
         decoding = self._reserve_decode_pages()
         chunks = self._plan_chunks(self._step_budget(len(decoding)) - len(decoding))
         chunk_tokens = sum(n for _, n in chunks)
-        prompt_left = sum(s.target_computed - s.num_computed for s in self.prefilling) > chunk_tokens
-        guesses = self._plan_drafts(decoding, chunk_tokens, self._guessing_prompts(chunks), prompt_left)
+        guesses = self._plan_drafts(decoding, chunk_tokens, self._guessing_prompts(chunks))
         if decoding or chunks:
             tokens = len(decoding) + guesses + chunk_tokens
             if tokens - guesses > self.budget:
@@ -197,7 +196,7 @@ class Scheduler:
         if self.burst and (decoding == 0 or len(self.prefilling) >= self.burst_min_prompts):
             return self.burst
         if self.guard is not None and self.prefilling:
-            want = min(self.burst, decoding + sum(s.target_computed - s.num_computed for s in self.prefilling))
+            want = min(self.burst, decoding + self._prompt_tokens_left())
             if want > self.budget:
                 buckets = self.runner.token_buckets
                 top = pick(buckets, want)
@@ -205,6 +204,10 @@ class Scheduler:
                 if b is not None:
                     return min(b, want)
         return self.budget
+
+    def _prompt_tokens_left(self) -> int:
+        """Prompt (or recompute) tokens the admitted prefilling sequences still have to compute."""
+        return sum(s.target_computed - s.num_computed for s in self.prefilling)
 
     def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
         """Prefill chunks in what the decode tokens left of the budget, FIFO."""
@@ -233,8 +236,7 @@ class Scheduler:
         (not for an embedding request, nor for a recompute after preemption, which resumes)."""
         return seq.num_computed + n >= seq.target_computed and not seq.output_ids and seq.req.on_embedding is None
 
-    def _plan_drafts(self, decoding: list[Sequence], chunk_tokens: int = 0, prompts: Optional[list[Sequence]] = None,
-                     prompt_left: bool = True) -> int:
+    def _plan_drafts(self, decoding: list[Sequence], chunk_tokens: int = 0, prompts: Optional[list[Sequence]] = None) -> int:
         """Speculation: each decoding sequence's guesses for this step (seq.drafts). Every row
         proposes within its request's max_new_tokens, the model length and what its grammar
         allows; the Drafter keeps the guesses worth their cost (speculate.py) within what the
@@ -254,8 +256,8 @@ class Scheduler:
         step program (runner.max_tokens: the burst budget on CPU): the budget bounds how long the
         decoding streams wait while prompts are prefilled beside them, and a verifying step gives
         the waiting streams their tokens instead; the pricing still keeps only guesses that pay.
-        So may a step whose chunks end every admitted prompt (`prompt_left` False): no later chunk
-        waits behind its width, and its prompts' first tokens come with it either way.
+        So may a step whose chunks end every admitted prompt (no prompt tokens left after it): no
+        later chunk waits behind its width, and its prompts' first tokens come with it either way.
         Capped at the 64-token budget, 8 rows verified 7 guesses each at most (a repeated answer of
         the trained model, 98 % of guesses accepted) and with K = 16, 3; up to 144 tokens, K = 16
         rows verified ~11 a step and 8 such streams ran 2.6x faster than without speculation
@@ -284,7 +286,8 @@ class Scheduler:
         # a step without prompt chunks, without decoding streams to keep waiting, or that ends
         # every admitted prompt may verify guesses past the latency budget, up to the largest
         # step program (see the docstring)
-        cap = self.budget if chunk_tokens and decoding and prompt_left else self.runner.max_tokens
+        held = chunk_tokens > 0 and bool(decoding) and self._prompt_tokens_left() > chunk_tokens
+        cap = self.budget if held else self.runner.max_tokens
         room = cap - len(decoding) - chunk_tokens
         if room <= 0 or not d.gate():
             return 0

@@ -268,8 +268,9 @@ def test_no_compiles_after_warmup_with_speculation(engine, monkeypatch):
     step = runner.step
 
     def spy(rows, greedy, masks=None):
-        # a decode row's first sample sits at its token 0; a prompt chunk's at its last token
-        prompt_guesses.extend(len(r.samples) - 1 for r in rows if r.samples and r.samples[0].at > 0)
+        # a decode row's first sample sits at its token 0; a prompt chunk's at its last token (token
+        # 0 too for a fully cached prompt's one-token row, which is marked cached)
+        prompt_guesses.extend(len(r.samples) - 1 for r in rows if r.samples and (r.samples[0].at > 0 or r.cached))
         return step(rows, greedy, masks)
     monkeypatch.setattr(runner, "step", spy)
     _run_all(engine, _requests())
