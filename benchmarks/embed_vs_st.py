@@ -53,35 +53,12 @@ class EngineSide:
 
         self.engine, self.load_s = C.build_engine([ModelSpec(name="minilm", path=path, task="embed")])
         self.loop = asyncio.new_event_loop()
-        self.engine_issue: str | None = None
 
     def encode(self, texts: list[str]):
         from jax_engine.types import EmbedRequest
 
         req = EmbedRequest(request_id="", texts=texts)
-        if self.engine_issue is None:
-            try:
-                return self.loop.run_until_complete(self.engine.embed(req)).embeddings
-            except AttributeError as e:
-                # Engine.embed and EmbedWorker disagreed on the submit method's name while both
-                # were being rewritten; record it and time the worker through the same
-                # future/callback path Engine.embed uses, so the numbers stay comparable.
-                self.engine_issue = f"Engine.embed failed: {e!r}; timed via EmbedWorker.submit directly"
-                C.log("ENGINE ISSUE:", self.engine_issue)
-        return self.loop.run_until_complete(self._embed_direct(req)).embeddings
-
-    async def _embed_direct(self, req):
-        import uuid
-
-        worker = self.engine._resolve(None, "embed")
-        req.request_id = req.request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        worker.submit(req, lambda res: loop.call_soon_threadsafe(fut.set_result, res))
-        res = await fut
-        if not hasattr(res, "embeddings"):
-            raise RuntimeError(f"embed failed: {res!r}")
-        return res
+        return self.loop.run_until_complete(self.engine.embed(req)).embeddings
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -282,7 +259,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                                                      higher_is_better=False),
             "onnxruntime_matches_sentence_transformers": C.target(doc["correctness_onnxruntime"]["min_cosine"], 1 - 1e-5),
         })
-    doc["engine_issues"] = [eng.engine_issue] if eng.engine_issue else []
     doc["limits"] = C.combine_limits(probes)
     doc["process_isolation"] = {"engine": C.isolation_report(C.ENGINE_BLOCKED), "peer": peer.isolation(),
                                 **({"onnxruntime": ort.isolation()} if ort else {})}
