@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         doc["model"]["params"] = engines["off"].model_info("m").num_params
     per_round = max(WAVES * b if b > 1 else B1_REQUESTS for b in batches)
-    need = per_round * rounds * len(batches)
+    # fresh spans for copy, fresh and sampled: each round of each batch takes its own requests
+    # (the held-out set has 619 spans of 96 bytes: 6 rounds at batches 1 and 8)
+    need = rounds * sum(WAVES * b if b > 1 else B1_REQUESTS for b in batches)
     spans = held_out_spans(per_round + 3 * need, max(PROMPT_BYTES, COPY_SPAN))
     repeat_set: list = [s[:PROMPT_BYTES] for s in spans[:per_round]]
     if small:       # random token ids (the random model's tokenizer covers few of its ids)
