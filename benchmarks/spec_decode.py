@@ -77,6 +77,11 @@ NUM_PAGES = 1024    # KV pages of every engine (16,384 tokens): room for the pre
                     # before it came back and each side re-ran all its prefills.
 
 
+def requests_per_round(batch: int) -> int:
+    """Requests of one timed pass at this batch size (a round of a workload takes this many)."""
+    return WAVES * batch if batch > 1 else B1_REQUESTS
+
+
 def held_out_spans(n: int, size: int) -> list[str]:
     """n code spans of `size` bytes from held-out standard-library files, each starting at a line
     that opens a method or function definition: files in path order, the first definition of
@@ -240,10 +245,10 @@ def main(argv: list[str] | None = None) -> dict:
         import numpy as np
 
         doc["model"]["params"] = engines["off"].model_info("m").num_params
-    per_round = max(WAVES * b if b > 1 else B1_REQUESTS for b in batches)
+    per_round = max(map(requests_per_round, batches))
     # fresh spans for copy, fresh and sampled: each round of each batch takes its own requests
     # (the held-out set has 619 spans of 96 bytes: 6 rounds at batches 1 and 8)
-    need = rounds * sum(WAVES * b if b > 1 else B1_REQUESTS for b in batches)
+    need = rounds * sum(map(requests_per_round, batches))
     spans = held_out_spans(per_round + 3 * need, max(PROMPT_BYTES, COPY_SPAN))
     repeat_set: list = [s[:PROMPT_BYTES] for s in spans[:per_round]]
     if small:       # random token ids (the random model's tokenizer covers few of its ids)
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     with C.cpu_window() as whole:
         for B in batches:
             for wl in workloads:
-                n = WAVES * B if B > 1 else B1_REQUESTS
+                n = requests_per_round(B)
                 label = f"b{B}/{wl}"
                 sets = []
                 for _ in range(rounds):
