@@ -142,7 +142,9 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
                         f"generator [env {_env_name('--model')}, comma-separated]")
     opt(m, "--dtype", default=d["dtype"], choices=["auto", "float32", "bfloat16"],
         help="weights/activations dtype (auto: bfloat16 on accelerators, float32 on CPU)")
-    opt(m, "--quantize", default=d["quantize"], choices=["none", "int8"], help="weight-only quantization")
+    opt(m, "--quantize", default=d["quantize"], choices=["none", "int8", "w8a8"],
+        help="int8: int8 weights (per output channel); w8a8: int8 weights and int8 activations (each matmul "
+             "input quantized per row, int32 sums)")
     opt(m, "--tp", type=_positive, default=d["tp"], help="tensor-parallel size")
     opt(m, "--ep", type=_positive, default=d["ep"],
         help="expert-parallel size (mixture-of-experts models: experts sharded over ep devices; a replica uses tp x ep)")

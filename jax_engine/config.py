@@ -23,7 +23,7 @@ class ModelSpec:
     path: str
     task: Optional[str] = None          # None = from config.json ("generate" / "embed" / "classify")
     dtype: Optional[str] = None         # auto | float32 | bfloat16
-    quantize: Optional[str] = None      # none | int8
+    quantize: Optional[str] = None      # none | int8 | w8a8
     tp: Optional[int] = None
     ep: Optional[int] = None            # expert-parallel size (mixture-of-experts models only)
     replicas: Optional[int] = None
@@ -133,7 +133,7 @@ class ResolvedSpec:
     path: str
     task: str                           # generate | embed | classify
     dtype: str                          # float32 | bfloat16 (auto decided for this platform)
-    quantize: str                       # none | int8 (a converted int8 checkpoint is int8)
+    quantize: str                       # none | int8 | w8a8 (a converted int8 checkpoint is int8)
     tp: int
     replicas: int
     max_model_len: Optional[int]        # None = the model's own context (encoders: see resolve)
@@ -169,8 +169,8 @@ def resolve(spec: ModelSpec, args: EngineArgs) -> ResolvedSpec:
     quantize = _pick(spec.quantize, args.quantize)
     if task == "generate":
         dtype = np.dtype(backend.resolve_dtype(choice)).name   # auto: bfloat16 on accelerators, float32 on CPU
-        if quantize not in ("none", "int8"):
-            raise InvalidRequest(f"quantize {quantize!r} is not supported (none, int8)")
+        if quantize not in ("none", "int8", "w8a8"):
+            raise InvalidRequest(f"quantize {quantize!r} is not supported (none, int8, w8a8)")
         if quantize == "none":                  # a checkpoint converted with --quantize int8 is int8
             quantize = converted_quantize(spec.path)
     elif choice and choice != "auto":

@@ -113,6 +113,11 @@ class GenerateWorker:
         self.cfg = dataclasses.replace(cfg, kv_repeat=kv_repeat)
         self.dtype = backend.resolve_dtype(spec.dtype)
         self.quantize = quant = spec.quantize
+        if quant == "w8a8":            # int8 weights as --quantize int8, int8 activations on top
+            if cfg.num_experts:
+                raise InvalidRequest("--quantize w8a8 is not supported for mixture-of-experts models (their "
+                                     "experts run weight-only int8): use --quantize int8")
+            self.cfg = dataclasses.replace(self.cfg, act_int8=True)
         self.max_model_len = min(spec.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = spec.page_size
         self.cfg = dataclasses.replace(self.cfg, attention_backend=attention.resolve(
@@ -143,7 +148,8 @@ class GenerateWorker:
         for r, mesh in enumerate(self.meshes):
             bar = tqdm(total=self.cfg.num_layers, desc=f"loading {spec.name} (replica {r})", unit="layer",
                        disable=not os.environ.get("XLASERVE_PROGRESS", "1") == "1")
-            model = pack_for_kernel(load_model(spec.path, self.cfg, self.dtype, quant, mesh, bar.update))
+            weights = "int8" if quant == "w8a8" else quant        # the same int8 weights (or checkpoint)
+            model = pack_for_kernel(load_model(spec.path, self.cfg, self.dtype, weights, mesh, bar.update))
             bar.close()
             rc = RunnerConfig(page_size=self.page_size, num_pages=0, max_running=max_running,
                               max_batched_tokens=max_tokens, max_model_len=self.max_model_len,

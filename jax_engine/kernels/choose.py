@@ -138,11 +138,12 @@ class Case:
     out_dims: tuple[int, ...]        # output dims
     layers: int                      # stacked layers (1 for the LM head)
     dtype: str                       # activation / weight dtype name
-    int8: bool                       # weight-only int8 {"q", "s"}
+    int8: bool                       # int8 weights {"q", "s"}
     tied: bool = False               # LM head = embed^T (XLA reads the [V, H] embedding)
     points: tuple[int, ...] = ()     # row counts to time
     blas: bool = False               # also time the library sgemm (at prefill points)
     flat: bool = False               # an encoder matrix: x [M, K] @ w [K, N] (no decoder layout)
+    a8: bool = False                 # int8 activations too (--quantize w8a8: quantized per row)
 
     @property
     def k(self) -> int:
@@ -173,10 +174,10 @@ def cases(cfg: Any, dtype: Any, quantize: str, decode_rows: int, prefill_tokens:
     out = []
     for w, (kd, od) in llama.matmul_dims(cfg).items():
         head = w == "lm_head"
-        out.append(Case(w, kd, od, 1 if head else cfg.num_layers, name,
-                        int8=quantize == "int8" and not (head and cfg.tie_embeddings),
+        int8 = quantize in ("int8", "w8a8") and not (head and cfg.tie_embeddings)
+        out.append(Case(w, kd, od, 1 if head else cfg.num_layers, name, int8=int8,
                         tied=head and cfg.tie_embeddings, points=tuple(dec if head else dec + pre),
-                        blas=blas and not head))
+                        blas=blas and not head, a8=int8 and quantize == "w8a8"))
     return out
 
 
@@ -265,7 +266,7 @@ class _Point:
         out = _shrink(case.out_dims, cols)
         n = math.prod(out)
         dt = jnp.dtype(case.dtype)
-        self.slice = f"{L} x {list(case.k_dims)} -> {list(out)} {'int8' if case.int8 else dt.name}"
+        self.slice = f"{L} x {list(case.k_dims)} -> {list(out)} {('w8a8' if case.a8 else 'int8') if case.int8 else dt.name}"
         P = cpu_kernels.num_panels(n)
         sds = jax.ShapeDtypeStruct
         if case.weight == "lm_head":
@@ -276,7 +277,7 @@ class _Point:
                 xla_w = {"q": sds((case.k, n), jnp.int8), "s": sds((n,), jnp.float32)}
             else:
                 xla_w = sds((case.k, n), dt)
-            xla_fn = lambda x, w: llama.head_einsum(x, w, tied=case.tied)            # noqa: E731
+            xla_fn = lambda x, w: llama.head_einsum(x, w, tied=case.tied, a8=case.a8)   # noqa: E731
             kernel_fn = lambda x, w: cpu_kernels.linear(x, w, 0, 1, (n,))              # noqa: E731
             pk_lead: tuple[int, ...] = (1,)
         else:
@@ -292,7 +293,7 @@ class _Point:
                 self.x = sds(rows + case.k_dims, dt)
 
                 def one(x: jax.Array, wl: Any) -> jax.Array:
-                    return llama.linear(x, wl, spec)
+                    return llama.linear(x, wl, spec, kd if case.a8 else 0)
             if case.int8:
                 xla_w = {"q": sds((L,) + case.k_dims + out, jnp.int8), "s": sds((L,) + out, jnp.float32)}
             else:
@@ -305,7 +306,7 @@ class _Point:
                 return jax.lax.scan(lambda li, _: (li + 1, cpu_kernels.linear(x, w, li, kd, out).astype(x.dtype)),
                                     jnp.int32(0), None, length=L)[1]
             pk_lead = (L,)
-        kdt = jnp.int8 if case.int8 else (jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32)
+        kdt = (jnp.uint8 if case.a8 else jnp.int8) if case.int8 else (jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32)
         packed: Any = sds(cpu_kernels.packed_shape(pk_lead, case.k, n, kdt), kdt)
         if case.int8:
             packed = {"q": packed, "s": sds(pk_lead + (P * cpu_kernels.PANEL,), jnp.float32)}
@@ -330,7 +331,7 @@ class _Point:
         def run() -> None:
             self.compile(path)
             if path not in self._args:
-                fill = lambda s: jnp.full(s.shape, 1 if s.dtype == jnp.int8 else 0.01, s.dtype)   # noqa: E731
+                fill = lambda s: jnp.full(s.shape, 1 if s.dtype in (jnp.int8, jnp.uint8) else 0.01, s.dtype)  # noqa: E731
                 self._args[path] = (fill(self.x), jax.tree.map(fill, self.specs[path]))
             jax.block_until_ready(self._exe[path](*self._args[path]))
         return run
@@ -458,7 +459,7 @@ def _log_plan(plan: MatmulPlan, cases_: list[Case]) -> None:
         extra = ""
         if len(plan.layouts(w)) == 2 and not (w == "lm_head" and c.tied) and w != ATTENTION:
             extra = f"; both layouts kept: +{c.layers * c.k * c.n * c.itemsize / 2 ** 20:.0f} MiB"
-        log.info("cpu matmul %s [%s -> %s] %s (%s): %s%s", w, c.k, c.n, "int8" if c.int8 else c.dtype,
+        log.info("cpu matmul %s [%s -> %s] %s (%s): %s%s", w, c.k, c.n, ("w8a8" if c.a8 else "int8") if c.int8 else c.dtype,
                  plan.source, route, f" | {pts}{extra}" if pts else extra)
 
 

@@ -921,6 +921,160 @@ ffi::Error GemmI8BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, Panels
                             K * kTile, s.typed_data(), li, y->typed_data(), N);
 }
 
+// --quantize w8a8: int8 weights (per-column scale) times int8 activations (per-row scale,
+// quantized here, dynamically, from the float32 x of each call), summed exactly in int32.
+// Weights: quad panels [L, P, K4, 256] uint8: for each quad of contraction rows (4j .. 4j + 3)
+// the 64 columns' four weights side by side, each stored as w + 128 (so lane c of the quad row
+// is one 32-bit group, what vpdpbusd reads: unsigned bytes times signed bytes, four products
+// summed into a 32-bit lane). x row m: amax = max |x[m, :]|, xq = round(x * 127 / amax) (nearest
+// even) in [-127, 127], scale sx = amax / 127; then
+//   y[m, c] = float(sum_k xq[m, k] (w[k, c] + 128) - 128 sum_k xq[m, k]) * sx[m] * s[c]
+// where the bracket is sum_k xq w exactly, as XLA's int8 dot with an int32 result computes it
+// (llama.py's linear: the same quantization, so both paths give the same numbers up to the
+// order of the last two float multiplies, which both do left to right).
+// Why: at batch 16 and above a float32-activation int8 step is compute-bound in float32 FMAs
+// (16 multiply-adds an instruction; 'small' model, M = 16: ~121 GFLOP/s, the LM head 7.2 ms a
+// step), while one vpdpbusd does 64 and llama.cpp's Q8_0 path quantizes its activations to 8
+// bits the same way (per 32-value block; here per row, as vLLM's dynamic per-token W8A8).
+// Without AVX512-VNNI the loop is plain C++ (correct, slow: choose.py then keeps XLA's dot).
+using PanelsU8 = ffi::Buffer<ffi::U8, 4>;   // [L, P, K4, 256]
+
+constexpr int64_t kQuad = 4 * kTile;   // bytes of one quad row of a panel
+constexpr int64_t kKc4 = 64;           // quads per pass over the row blocks: 16 KiB of panel in L1
+
+// Row m of x [M, K] float32 -> xq (K4 quads, zero-padded), sx[m], corr[m] = 128 sum_k xq.
+inline void quantize_row(const float* x, int64_t K, int64_t K4, int8_t* xq, float* sx, int32_t* corr) {
+  float amax = 0.f;
+  int64_t k = 0;
+#ifdef __AVX512F__
+  __m512 m = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  amax = _mm512_reduce_max_ps(m);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  k = 0;
+#ifdef __AVX512F__
+  const __m512 vi = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  __m512i vs = _mm512_setzero_si512();
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), vi), lo), hi);
+    const __m512i q = _mm512_cvtps_epi32(v);          // MXCSR's default: round to nearest even
+    vs = _mm512_add_epi32(vs, q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm512_cvtepi32_epi8(q));
+  }
+  sum = _mm512_reduce_add_epi32(vs);
+#endif
+  for (; k < K; ++k) {
+    const int32_t q = static_cast<int32_t>(std::nearbyint(std::min(std::max(x[k] * inv, -127.f), 127.f)));
+    xq[k] = static_cast<int8_t>(q);
+    sum += q;
+  }
+  for (k = K; k < 4 * K4; ++k) xq[k] = 0;
+  *sx = amax / 127.f;
+  *corr = 128 * sum;
+}
+
+// acc[0:MR, 0:64] (+)= xq rows (stride ldx bytes) over kn4 quads of one quad panel (int32).
+template <int MR>
+inline void micro_a8(const int8_t* x, int64_t ldx, const uint8_t* panel, int32_t* acc_buf, int64_t kn4, bool first,
+                     const uint8_t* pf) {
+#ifdef __AVX512VNNI__
+  __m512i acc[MR][kVec];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVec; ++v)
+      acc[m][v] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(acc_buf + m * kTile + 16 * v);
+  for (int64_t j = 0; j < kn4; ++j) {
+    const uint8_t* row = panel + j * kQuad;
+    prefetch_row<kQuad>(pf ? pf + j * kQuad : pf);
+    __m512i wv[kVec];
+    for (int v = 0; v < kVec; ++v) wv[v] = _mm512_loadu_si512(row + 64 * v);
+    for (int m = 0; m < MR; ++m) {
+      int32_t q;
+      std::memcpy(&q, x + m * ldx + 4 * j, 4);
+      const __m512i xb = _mm512_set1_epi32(q);
+      for (int v = 0; v < kVec; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], wv[v], xb);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVec; ++v) _mm512_storeu_si512(acc_buf + m * kTile + 16 * v, acc[m][v]);
+#else
+  (void)pf;
+  for (int m = 0; m < MR; ++m) {
+    int32_t* a = acc_buf + m * kTile;
+    if (first) std::fill(a, a + kTile, 0);
+    for (int64_t j = 0; j < kn4; ++j)
+      for (int64_t c = 0; c < kTile; ++c)
+        for (int e = 0; e < 4; ++e)
+          a[c] += int32_t(panel[j * kQuad + 4 * c + e]) * int32_t(x[m * ldx + 4 * j + e]);
+  }
+#endif
+}
+
+// One quad panel (64 columns) for `rows` quantized rows into out (row stride ldo).
+inline void do_panel_a8(const int8_t* xq, int64_t Kp, const float* sx, const int32_t* corr, const uint8_t* panel,
+                        const float* scale, float* out, int64_t ldo, int64_t rows, int64_t K4) {
+  thread_local std::vector<int32_t> acc;
+  acc.resize(rows * kTile);
+  // decode (one block of rows): one pass, the sums never leave the registers; more rows: K in
+  // chunks that stay in L1 while every block of rows reads them
+  const int64_t kc = rows <= 6 ? K4 : kKc4;
+  for (int64_t k0 = 0; k0 < K4; k0 += kc) {
+    const int64_t kn4 = std::min(kc, K4 - k0);
+    const uint8_t* chunk = panel + k0 * kQuad;
+    const uint8_t* pf = rows <= 6 ? chunk + 16 * kQuad : nullptr;   // 4 KiB ahead while streaming
+    for (int64_t m = 0; m < rows; m += 6)
+      with_rows(std::min<int64_t>(6, rows - m), [&](auto r) {
+        micro_a8<decltype(r)::value>(xq + m * Kp + 4 * k0, Kp, chunk, acc.data() + m * kTile, kn4, k0 == 0,
+                                     m == 0 ? pf : nullptr);
+      });
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const float s = sx[m];
+    const int32_t c0 = corr[m];
+    float* o = out + m * ldo;
+    const int32_t* a = acc.data() + m * kTile;
+    for (int64_t c = 0; c < kTile; ++c) o[c] = static_cast<float>(a[c] - c0) * s * scale[c];
+  }
+}
+
+ffi::Error GemmI8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, PanelsU8 w, Scales s,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || wd[3] != kQuad)
+    return ffi::Error::InvalidArgument("xlaserve_gemm_i8a8: x must be [M, K], w [L, P, K / 4, 256], y [M, N]");
+  const int64_t K = xd[1], L = wd[0], P = wd[1], K4 = wd[2], N = yd[1];
+  if ((K + 3) / 4 != K4 || yd[0] != xd[0] || N > P * kTile || N <= (P - 1) * kTile)
+    return ffi::Error::InvalidArgument("xlaserve_gemm_i8a8: operand shapes do not agree");
+  if (s.dimensions()[0] != L || s.dimensions()[1] != P * kTile)
+    return ffi::Error::InvalidArgument("xlaserve_gemm_i8a8: scale must be [L, 64 P]");
+  const int64_t M = live_rows(layer, xd[0], y->typed_data(), N);
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("xlaserve_gemm_i8a8: layer index out of range");
+  if (M == 0) return ffi::Error::Success();
+  const int64_t Kp = 4 * K4;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> sx;
+  thread_local std::vector<int32_t> corr;
+  xq.resize(M * Kp);
+  sx.resize(M);
+  corr.resize(M);
+  const float* xp = x.typed_data();
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, K4, xq.data() + m * Kp, &sx[m], &corr[m]);
+  const uint8_t* wl = w.typed_data() + li * P * K4 * kQuad;
+  const float* sl = s.typed_data() + li * P * kTile;
+  const int8_t* xqp = xq.data();
+  const float* sxp = sx.data();
+  const int32_t* cp = corr.data();
+  for_each_panel(pool, M, kMc, P, N, y->typed_data(), [=](int64_t t, int64_t m0, int64_t rows, float* out, int64_t ldo) {
+    do_panel_a8(xqp + m0 * Kp, Kp, sxp + m0, cp + m0, wl + t * K4 * kQuad, sl + t * kTile, out, ldo, rows, K4);
+  });
+  return ffi::Error::Success();
+}
+
 // 2. XlaserveDecodeAttentionF32: one query token per row against its own pages of the KV cache.
 // Why: the pure-JAX attention gathers every row's whole page bucket into a new [B, S, KVH, D]
 // array per layer and runs tiny batched dots over it; this reads only the row's valid keys, in
@@ -1706,6 +1860,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8BF16, GemmI8BF16Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8A8, GemmI8A8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<PanelsU8>()
+                                  .Arg<Scales>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBF16, GemmBF16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1725,6 +1888,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveBlasGemmF32, BlasGemmImpl,
 // Whether bfloat16 GEMMs of 16 rows or more run on AMX tiles in this process (tests, logs).
 
 extern "C" int XlaserveAmxActive() { return amx_usable() ? 1 : 0; }
+
+// Whether the w8a8 GEMM runs on AVX512-VNNI here (else its plain C++ loop).
+#ifdef __AVX512VNNI__
+extern "C" int XlaserveVnniActive() { return 1; }
+#else
+extern "C" int XlaserveVnniActive() { return 0; }
+#endif
 
 // Hands over the library sgemm (cblas_sgemm's signature; ilp64 = 64-bit integer arguments).
 extern "C" void XlaserveSetSgemm(void* fn, int ilp64) {

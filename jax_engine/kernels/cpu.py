@@ -42,6 +42,7 @@ GELU_TARGET = "xlaserve_cpu_gemm_bias_gelu_f32"
 I8_TARGET = "xlaserve_cpu_gemm_i8"
 BF16_TARGET = "xlaserve_cpu_gemm_bf16"
 I8_BF16_TARGET = "xlaserve_cpu_gemm_i8_bf16"
+I8A8_TARGET = "xlaserve_cpu_gemm_i8a8"
 ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
 ENC_ATTN_TARGET = "xlaserve_cpu_encoder_attention_f32"
 ENC_ATTN_VARLEN_TARGET = "xlaserve_cpu_encoder_attention_varlen_f32"
@@ -195,6 +196,7 @@ def available() -> bool:
             jax.ffi.register_ffi_target(I8_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8), platform="cpu")
             jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmBF16), platform="cpu")
             jax.ffi.register_ffi_target(I8_BF16_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8BF16), platform="cpu")
+            jax.ffi.register_ffi_target(I8A8_TARGET, jax.ffi.pycapsule(lib.XlaserveGemmI8A8), platform="cpu")
             jax.ffi.register_ffi_target(ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveDecodeAttentionF32), platform="cpu")
             jax.ffi.register_ffi_target(ENC_ATTN_TARGET, jax.ffi.pycapsule(lib.XlaserveEncoderAttentionF32),
                                         platform="cpu")
@@ -214,6 +216,12 @@ def amx_active() -> bool:
     built with AMX (-march=native on such a CPU), CPUID says AMX-BF16, Linux granted the tile
     state, and XLASERVE_AMX is not 0."""
     return available() and bool(_state["lib"].XlaserveAmxActive())
+
+
+def vnni_active() -> bool:
+    """Whether the w8a8 GEMM (cpu.cc: GemmI8A8Impl) runs on AVX512-VNNI here; without it the kernel
+    is a plain C++ loop (still exact), which choose.py measures against XLA's int8 dot."""
+    return available() and bool(_state["lib"].XlaserveVnniActive())
 
 
 def reason() -> str:
@@ -297,18 +305,24 @@ def num_panels(n: int) -> int:
 
 def packed_shape(lead: tuple[int, ...], k: int, n: int, dtype: Any) -> tuple[int, ...]:
     """Shape of `pack`'s panels for a [*lead, k, n] weight: [*lead, P, K, 64], or in K pairs
-    [*lead, P, ceil(K / 2), 128] (cpu.cc's pair kernel) for bfloat16 weights."""
+    [*lead, P, ceil(K / 2), 128] (cpu.cc's pair kernel) for bfloat16 weights, or in K quads
+    [*lead, P, ceil(K / 4), 256] (uint8: the w8a8 kernel's panels)."""
     if jnp.dtype(dtype) == jnp.bfloat16:
         return lead + (num_panels(n), -(-k // 2), 2 * PANEL)
+    if jnp.dtype(dtype) == jnp.uint8:
+        return lead + (num_panels(n), -(-k // 4), 4 * PANEL)
     return lead + (num_panels(n), k, PANEL)
 
 
-def pack(w: Any, k_dims: int, stacked: bool) -> Any:
+def pack(w: Any, k_dims: int, stacked: bool, a8: bool = False) -> Any:
     """[L?, K..., N...] (k_dims contraction dims after the optional layer axis) -> [L, P, K, 64],
     the output axis zero-padded to whole panels; other floats become float32. bfloat16 stays
     bfloat16 in K pairs: [L, P, ceil(K / 2), 128], element [l, p, j, 2c + e] = w[l, 2j + e, 64p + c]
     (K zero-padded to even). A weight-only int8 {"q", "s"} weight keeps int8 panels, whatever the
-    model's activations (gemm picks the kernel by them), and gets its per-column scale as [L, 64 P]."""
+    model's activations (gemm picks the kernel by them), and gets its per-column scale as [L, 64 P].
+    With `a8` (--quantize w8a8) an int8 weight is packed in K quads for the int8-activation
+    kernel: uint8 [L, P, ceil(K / 4), 256], element [l, p, j, 4c + e] = w[l, 4j + e, 64p + c] + 128
+    (K zero-padded to a multiple of 4; cpu.cc: GemmI8A8Impl)."""
     lead = 1 if stacked else 0
     q = w["q"] if isinstance(w, dict) else w
     L = q.shape[0] if stacked else 1
@@ -316,10 +330,16 @@ def pack(w: Any, k_dims: int, stacked: bool) -> Any:
     N = math.prod(q.shape[lead + k_dims:])
     P = num_panels(N)
     in_pairs = q.dtype == jnp.bfloat16
+    in_quads = a8 and isinstance(w, dict)
 
     @jax.jit
     def _panels(a):
         a = a.reshape((L, K, N))
+        if in_quads:
+            k4 = -(-K // 4)
+            a = jnp.pad(a, ((0, 0), (0, 4 * k4 - K), (0, P * PANEL - N)))
+            a = (a.astype(jnp.int16) + 128).astype(jnp.uint8)
+            return a.reshape(L, k4, 4, P, PANEL).transpose(0, 3, 1, 4, 2).reshape(L, P, k4, 4 * PANEL)
         if in_pairs:
             k2 = -(-K // 2)
             a = jnp.pad(a, ((0, 0), (0, 2 * k2 - K), (0, P * PANEL - N)))
@@ -339,6 +359,11 @@ def _pairs(w: Any) -> bool:
     return (w["q"] if isinstance(w, dict) else w).shape[-1] == 2 * PANEL
 
 
+def _quads(w: Any) -> bool:
+    """Whether packed weights are the w8a8 kernel's K quads (int8 {"q", "s"}, last axis 256)."""
+    return isinstance(w, dict) and w["q"].shape[-1] == 4 * PANEL
+
+
 def _layer_operand(layer: Any, rows: Optional[jax.Array]) -> jax.Array:
     """The GEMM kernels' layer operand: the layer index as an int32 scalar, or with `rows` the pair
     [layer, rows] (cpu.cc: live_rows)."""
@@ -354,10 +379,14 @@ def gemm(x: jax.Array, w: Any, layer: Any, n: int, rows: Optional[jax.Array] = N
     bfloat16 for the K-pair panels of bfloat16 weights. int8 panels take x as it comes: bfloat16
     (a bfloat16 model's activations) as it is (cpu.cc's GemmI8BF16Impl), anything else in float32.
     `rows` (an int32 scalar, or None for all M): only x's first `rows` rows are computed, the rest
-    of the result is zeros (a ragged step's padding tokens; cpu.cc: live_rows)."""
+    of the result is zeros (a ragged step's padding tokens; cpu.cc: live_rows). Quad panels
+    (--quantize w8a8) take x in float32 and quantize each row to int8 inside the call
+    (cpu.cc: GemmI8A8Impl; llama.linear's `a8` is the same arithmetic on XLA)."""
     _require()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     li = _layer_operand(layer, rows)
+    if _quads(w):
+        return jax.ffi.ffi_call(I8A8_TARGET, out)(x.astype(jnp.float32), w["q"], w["s"], li)
     bf16_x = _pairs(w) or (isinstance(w, dict) and x.dtype == jnp.bfloat16)
     if bf16_x:
         xb = x.astype(jnp.bfloat16)
@@ -458,8 +487,20 @@ def encoder_attention_fits(head_dim: int) -> bool:
 
 
 def reference_gemm(x: np.ndarray, w_packed: Any, layer: int, n: int) -> np.ndarray:
-    """NumPy meaning of `gemm` (for tests): unpack the layer's panels and multiply."""
+    """NumPy meaning of `gemm` (for tests): unpack the layer's panels and multiply; quad panels
+    (w8a8) quantize x's rows first and multiply in integers (float32 for the scales, as cpu.cc)."""
     q = np.asarray(w_packed["q"] if isinstance(w_packed, dict) else w_packed)
+    if _quads(w_packed):
+        _, P, K4, _ = q.shape
+        k = np.shape(x)[-1]
+        wq = (q[layer].reshape(P, K4, PANEL, 4).transpose(1, 3, 0, 2).reshape(4 * K4, P * PANEL)[:k, :n]
+              .astype(np.int64) - 128)
+        xf = np.asarray(x, np.float32)
+        amax = np.max(np.abs(xf), axis=-1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        xq = np.round(np.clip(xf * inv, -127, 127)).astype(np.int64)
+        acc = (xq @ wq).astype(np.float32)
+        return (acc * (amax / np.float32(127)) * np.asarray(w_packed["s"])[layer, :n]).astype(np.float64)
     if _pairs(w_packed):
         _, P, K2, _ = q.shape
         w = q[layer].reshape(P, K2, PANEL, 2).transpose(1, 3, 0, 2).reshape(2 * K2, P * PANEL)
@@ -496,7 +537,7 @@ def resolve(choice: str, plat: str, dtype: Any, quantize: str, tp: int) -> str:
         why = f"the library sgemm takes float32 weights (dtype {jnp.dtype(dtype).name}, quantize {quantize})"
     elif jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
         why = f"it takes float32 or bfloat16 (dtype {jnp.dtype(dtype).name})"
-    elif quantize not in ("none", "int8"):
+    elif quantize not in ("none", "int8", "w8a8"):
         why = f"it has no {quantize} weights"
     elif tp != 1:
         why = f"it is not sharded for tensor parallelism (tp {tp})"

@@ -147,7 +147,7 @@ def matmul(cfg: LlamaConfig, lin: Linear, li: jax.Array, v: jax.Array, out_tail:
         return kernel_matmul(lin, li, v, out_tail, live).astype(v.dtype)
     if path == "blas":
         return cpu_kernels.blas_linear(v, lin.weight[...], li, K_DIMS[lin.name]).astype(v.dtype)
-    return linear(v, lin.xla_weight(), SPECS[lin.name])
+    return linear(v, lin.xla_weight(), SPECS[lin.name], K_DIMS[lin.name] if cfg.act_int8 else 0)
 
 
 def kernel_matmul(lin: Linear, li: jax.Array, v: jax.Array, out_tail: tuple[int, ...],
@@ -361,7 +361,7 @@ class CausalLM(nnx.Module):
             return y.reshape(h.shape[:-1] + (cfg.vocab_size,))
         if cfg.tie_embeddings:
             return head_einsum(h, embed[...], tied=True)
-        return head_einsum(h, self.lm_head.xla_weight(), tied=False)
+        return head_einsum(h, self.lm_head.xla_weight(), tied=False, a8=cfg.act_int8)
 
 
 # --------------------------------------------------------------------------- building the tree
@@ -431,7 +431,7 @@ def pack_for_kernel(m: CausalLM) -> CausalLM:
         if "kernel" not in lay:
             continue
         stacked = name != "lm_head"
-        packed = cpu_kernels.pack(lin_.xla_weight(), K_DIMS.get(name, 1), stacked=stacked)
+        packed = cpu_kernels.pack(lin_.xla_weight(), K_DIMS.get(name, 1), stacked=stacked, a8=cfg.act_int8)
         lin_.set_panels(packed, keep_xla="xla" in lay)
     return m
 

@@ -84,6 +84,9 @@ class LlamaConfig:
     # says (jax_engine/kernels/choose.py); the served path sets both from --cpu-matmul
     matmul: str = "xla"
     matmul_plan: Optional[MatmulPlan] = None
+    # --quantize w8a8: every int8 matrix's input is quantized to int8 per row (dynamically, each
+    # call) and multiplied in integers (quantize_rows, linear; cpu.cc GemmI8A8Impl on the kernel)
+    act_int8: bool = False
 
     @property
     def group(self) -> int:
@@ -311,8 +314,34 @@ def _yarn(params: dict, cfg: dict, dim: int, theta: float, inv: np.ndarray) -> t
 
 
 # --------------------------------------------------------------------------- building blocks
-def linear(x: jax.Array, w: Any, spec: str) -> jax.Array:
-    """einsum with a float or weight-only-int8 weight; int8 is dequantised inside the matmul."""
+def quantize_rows(x: jax.Array, k_dims: int) -> tuple[jax.Array, jax.Array]:
+    """--quantize w8a8's activations: x's last k_dims axes (one row of a matmul's input) as int8,
+    symmetric, per row: amax = max |row|, xq = round(x * 127 / amax) (half to even) in [-127, 127],
+    scale amax / 127 (shape x.shape[:-k_dims] + (1,) * k_dims; a zero row is zeros with scale 0).
+    Float32 throughout, in the order cpu.cc's quantize_row computes it, so the kernel and this
+    path feed the same integers to their (exact) int32 sums."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=tuple(range(x.ndim - k_dims, x.ndim)), keepdims=True)
+    inv = jnp.where(amax > 0, jnp.float32(127) / jnp.where(amax > 0, amax, jnp.float32(1)), jnp.float32(0))
+    xq = jnp.round(jnp.clip(xf * inv, -127, 127)).astype(jnp.int8)
+    return xq, amax / jnp.float32(127)
+
+
+def _a8_einsum(spec: str, x: jax.Array, w: dict, k_dims: int) -> jax.Array:
+    """float32 einsum(spec, x, dequantised w) with x quantized per row (quantize_rows): int8 x int8
+    summed in int32 (exact), then times the row scale and the column scale, in that order."""
+    xq, sx = quantize_rows(x, k_dims)
+    y = jnp.einsum(spec, xq, w["q"], preferred_element_type=jnp.int32).astype(jnp.float32)
+    lead = x.ndim - k_dims
+    return y * sx.reshape(x.shape[:lead] + (1,) * (y.ndim - lead)) * w["s"]
+
+
+def linear(x: jax.Array, w: Any, spec: str, a8_k_dims: int = 0) -> jax.Array:
+    """einsum with a float or weight-only-int8 weight; int8 is dequantised inside the matmul, or
+    with `a8_k_dims` (--quantize w8a8: the spec's contraction dims, x's last) multiplied in
+    integers against x quantized per row (_a8_einsum)."""
+    if isinstance(w, dict) and a8_k_dims:
+        return _a8_einsum(spec, x, w, a8_k_dims).astype(x.dtype)
     if isinstance(w, dict):
         y = jnp.einsum(spec, x, w["q"].astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * w["s"]).astype(x.dtype)
@@ -392,12 +421,14 @@ def layouts_of(cfg: LlamaConfig, name: str) -> frozenset[str]:
     return frozenset({"kernel" if cfg.matmul == "kernel" else "xla"})
 
 
-def head_einsum(h: jax.Array, w: Any, tied: bool) -> jax.Array:
+def head_einsum(h: jax.Array, w: Any, tied: bool, a8: bool = False) -> jax.Array:
     """XLA's LM-head matmul: h [..., H] by the [V, H] embedding (tied) or the [H, V] head, an
     array or int8 {"q", "s"} (the float32 accumulator is scaled, not rounded to the activation
-    dtype); float32 logits."""
+    dtype; with `a8`, --quantize w8a8, h quantized per row: _a8_einsum); float32 logits."""
     if tied:
         return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
+    if isinstance(w, dict) and a8:
+        return _a8_einsum("...h,hv->...v", h, w, 1)
     if isinstance(w, dict):
         return jnp.einsum("...h,hv->...v", h, w["q"].astype(h.dtype), preferred_element_type=jnp.float32) * w["s"]
     return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)

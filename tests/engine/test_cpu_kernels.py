@@ -199,6 +199,44 @@ def test_int8_gemm_matches_numpy():
             np.testing.assert_allclose(K.reference_gemm(x, packed, li, N), want, rtol=1e-6, atol=1e-5)
 
 
+def test_w8a8_gemm_quantizes_rows_and_sums_exactly():
+    """--quantize w8a8's kernel (cpu.cc GemmI8A8Impl): x quantized per row to int8, multiplied by the
+    int8 weights in int32 (exact), scaled by the row's and the column's scale. Against NumPy doing
+    the same arithmetic (reference_gemm) and XLA's path (llama.linear with a8), which feed the same
+    integers to exact sums, so the results agree to the last float32 multiply; and within the two
+    quantizations' error of the float product. Shapes: K not a multiple of 4 (a zero-padded quad),
+    K past one 64-quad pass with more than 6 rows, a ragged last panel, rows across register tiles,
+    a zero row (scale 0: zeros), the live-row operand (padding rows zeros)."""
+    from jax_engine.models.llama import linear
+    from jax_engine.models.llama_weights import quantize_int8
+
+    rng = np.random.default_rng(21)
+    for L, K_, N, Ms in ((2, 96, 200, (1, 5, 7, 16)), (1, 301, 64, (3, 13, 200))):
+        w = rng.standard_normal((L, K_, N), dtype=np.float32)
+        q, s = (np.stack(a) for a in zip(*(quantize_int8(w[i], (0,)) for i in range(L))))
+        packed = K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True, a8=True)
+        assert packed["q"].dtype == jnp.uint8 and packed["q"].shape == K.packed_shape((L,), K_, N, jnp.uint8)
+        # the layout: element [l, p, j, 4c + e] is w[l, 4j + e, 64p + c] + 128
+        assert int(packed["q"][L - 1, 0, 2, 4 * 5 + 3]) == int(q[L - 1, 11, 5]) + 128
+        for M in Ms:
+            x = rng.standard_normal((M, K_), dtype=np.float32) * rng.uniform(0.1, 10, (M, 1)).astype(np.float32)
+            x[M // 2] = 0.0
+            for li in range(L):
+                got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(jnp.asarray(x), packed))
+                np.testing.assert_allclose(got, K.reference_gemm(x, packed, li, N), rtol=1e-6, atol=0)
+                xla = np.asarray(jax.jit(lambda x, w: linear(x, w, "mk,kn->mn", 1))(
+                    jnp.asarray(x), {"q": jnp.asarray(q[li]), "s": jnp.asarray(s[li])}))
+                np.testing.assert_allclose(got, xla, rtol=1e-6, atol=0)
+                assert not got[M // 2].any()
+                want = x.astype(np.float64) @ (q[li].astype(np.float64) * s[li])
+                scale = np.abs(x).max(1, keepdims=True) * np.abs(q[li] * s[li]).sum(0) / 127
+                assert np.all(np.abs(got - want) <= 0.5 * scale + 1e-6)
+        x = rng.standard_normal((9, K_), dtype=np.float32)
+        live = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, 0, N, rows=jnp.int32(4)))(jnp.asarray(x), packed))
+        np.testing.assert_array_equal(live[:4], K.reference_gemm(x[:4], packed, 0, N))
+        assert not live[4:].any()
+
+
 def test_bfloat16_gemm_matches_numpy():
     """The pair kernel (bfloat16 x bfloat16, float32 accumulation) against float64 NumPy: exact
     products, so only the summation order differs. Odd K (a zero-padded pair), K past one 64-pair
@@ -424,6 +462,7 @@ def test_resolve_rules():
     # resolve says where the kernel may run; with auto, choose.py then measures (test_cpu_matmul_choice.py)
     assert K.resolve("auto", "cpu", jnp.float32, "none", 1) == "kernel"
     assert K.resolve("auto", "cpu", jnp.float32, "int8", 1) == "kernel"
+    assert K.resolve("auto", "cpu", jnp.float32, "w8a8", 1) == "kernel"
     assert K.resolve("auto", "cpu", jnp.bfloat16, "none", 1) == "kernel"
     assert K.resolve("xla", "cpu", jnp.float32, "none", 1) == "xla"
     for plat, dt, quant, tp in (("gpu", jnp.float32, "none", 1), ("cpu", jnp.float16, "none", 1),

@@ -72,6 +72,11 @@ def test_cases_cover_every_matrix_and_class():
     assert cs["down"].k == 128 and cs["gate_up"].n == 256 and cs["lm_head"].n == 512
     q = {c.weight: c for c in _cases(quantize="int8", tie_word_embeddings=True)}
     assert q["qkv"].int8 and q["qkv"].itemsize == 1 and not q["lm_head"].int8 and q["lm_head"].tied
+    assert not q["qkv"].a8
+    a8 = {c.weight: c for c in _cases(quantize="w8a8")}
+    assert all(c.int8 and c.a8 and c.itemsize == 1 for c in a8.values())
+    a8t = {c.weight: c for c in _cases(quantize="w8a8", tie_word_embeddings=True)}
+    assert a8t["qkv"].a8 and not (a8t["lm_head"].int8 or a8t["lm_head"].a8)     # a tied head stays float
 
 
 @pytest.mark.parametrize("slow", ["kernel", "xla"])
@@ -152,6 +157,12 @@ def test_real_timer_measures_both_paths():
     pre = C._Point(case, T, D)                            # a float32 prefill point: the library sgemm too
     got = C.wall_timer(case, T, {p: pre.runner(p) for p in pre.paths})
     assert set(got) == {"xla", "kernel", "blas"} and all(v > 0 for v in got.values())
+    for w in ("o", "lm_head"):                             # w8a8: both paths quantize the rows (quad panels)
+        case = next(c for c in _cases(quantize="w8a8") if c.weight == w)
+        pt = C._Point(case, 2, D)
+        assert "w8a8" in pt.slice and pt.specs["kernel"]["q"].dtype == jnp.uint8
+        got = C.wall_timer(case, 2, {p: pt.runner(p) for p in pt.paths})
+        assert set(got) == {"xla", "kernel"} and all(v > 0 for v in got.values())
 
 
 def test_the_library_sgemm_wins_only_by_a_margin(decisions):

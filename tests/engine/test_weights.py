@@ -77,11 +77,39 @@ def test_converted_checkpoints_load_and_match(src, tmp_path):
         GenerateWorker(ModelSpec(name="m", path=f32, dtype="bfloat16"), small_args())
 
 
-def test_no_compilation_after_warmup_for_every_bucket(src):
+def test_w8a8_matches_transformers_on_both_paths(src, tmp_path):
+    """--quantize w8a8 (int8 weights, int8 activations per row): the kernel path and XLA's int8 dot
+    feed the same integers to exact int32 sums (logits equal to float rounding); against
+    transformers' float32 logits the error is the two quantizations'; a checkpoint converted with
+    --quantize int8 serves w8a8 with the same numbers as quantizing at load."""
+    path, model = src
+    ref = hf_models.hf_logits(model, PROMPTS[0])
+    a8 = {m: _logits(path, quantize="w8a8", engine_kw=dict(cpu_matmul=m, attention_backend="reference"))
+          for m in ("xla", "kernel")}
+    assert np.max(np.abs(a8["kernel"] - a8["xla"])) < 1e-5
+    err = np.max(np.abs(a8["kernel"] - ref))
+    assert err < 0.03, f"w8a8 max abs logit error {err}"
+    # activations are quantized: not the weight-only int8 numbers
+    assert np.max(np.abs(a8["kernel"] - _logits(path, quantize="int8"))) > 1e-4
+    i8 = str(tmp_path / "i8")
+    convert(path, i8, quantize="int8", progress=False)
+    assert np.allclose(_logits(i8, quantize="w8a8"), a8["kernel"], atol=1e-6)
+
+
+def test_w8a8_refused_for_mixture_of_experts(tmp_path):
+    path = str(tmp_path / "moe")
+    hf_models.build("mixtral", path)
+    with pytest.raises(InvalidRequest, match="w8a8 is not supported for mixture-of-experts"):
+        GenerateWorker(ModelSpec(name="m", path=path, quantize="w8a8"), small_args())
+
+
+@pytest.mark.parametrize("quantize", ["none", "w8a8"])
+def test_no_compilation_after_warmup_for_every_bucket(src, quantize):
     path, _ = src
-    eng = Engine(small_args(models=[ModelSpec(name="m", path=path)]))
+    eng = Engine(small_args(models=[ModelSpec(name="m", path=path, quantize=quantize)]))
     eng.load_all(progress=False)
     runner = eng.decoder_runners()["m/0"]
+    assert runner.cfg.act_int8 == (quantize == "w8a8")
     n_programs = len(runner.programs)
     before = global_compile_count()
     # run every compiled shape once with real arguments built by the serving path
