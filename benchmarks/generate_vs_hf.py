@@ -29,6 +29,11 @@ Rows and their peers (every ratio names the peer's dtype):
   bfloat16+int8  engine bfloat16 model with int8 weight-only (bfloat16 activations: the kernel's
                  K-pair int8 path) vs transformers bfloat16, llama.cpp Q8_0 (whose activations
                  are int8 blocks: the engine's bfloat16 ones are at least as precise)
+  w8a8      engine --quantize w8a8: int8 weights and int8 activations (each matmul input
+            quantized per row, int32 sums; cpu.cc GemmI8A8Impl) vs transformers float32,
+            llama.cpp Q8_0 (int8 weights and int8 activation blocks of 32: the same arithmetic,
+            llama.cpp's blocks finer than the engine's rows). Its compute roofline uses the fp32
+            probe (torch has no int8 GEMM probe here), so it can pass 100 %.
 Each round runs every side once, one after the other (xlaserve, llama.cpp, transformers static,
 transformers dynamic), the first side rotating from round to round; figures are medians.
 On CPU the engine keeps the KV cache in float32 whatever the weight dtype (backend.kv_dtype);
@@ -100,11 +105,12 @@ TOKENIZER_VOCAB = 512
 # the sampled-decode row's parameters (the issue's)
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 50}
 # which peer dtype each engine row is compared with
-DEFAULT_DTYPES = "float32,bfloat16,int8,bfloat16+int8"
+DEFAULT_DTYPES = "float32,bfloat16,int8,bfloat16+int8,w8a8"
 # a row's name -> (engine --dtype, --quantize)
 ENGINE_ROW = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
-              "bfloat16+int8": ("bfloat16", "int8")}
-PEER_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32", "bfloat16+int8": "bfloat16"}
+              "bfloat16+int8": ("bfloat16", "int8"), "w8a8": ("float32", "w8a8")}
+PEER_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32", "bfloat16+int8": "bfloat16",
+              "w8a8": "float32"}
 
 
 def cache_root() -> str:
@@ -377,8 +383,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=None, help="rounds per comparison (default 3; quick 1)")
     ap.add_argument("--retries", type=int, default=None, help="extra rounds when a round was disturbed (default 2)")
     ap.add_argument("--dtypes", default=None,
-                    help="engine rows, int8 = float32 + int8 weights, bfloat16+int8 = bfloat16 + int8 weights "
-                         "(default float32,bfloat16,int8,bfloat16+int8; quick float32)")
+                    help="engine rows, int8 = float32 + int8 weights, bfloat16+int8 = bfloat16 + int8 weights, "
+                         "w8a8 = int8 weights and activations (default float32,bfloat16,int8,bfloat16+int8,w8a8; "
+                         "quick float32)")
     ap.add_argument("--batches", default=None, help="batch sizes (default 1,16; quick 1,4)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128; quick 64")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128; quick 32")

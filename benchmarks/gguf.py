@@ -29,8 +29,9 @@ Which GGUF type stands against which engine dtype (`llama_type`):
   bfloat16 -> BF16 where the CPU has avx512_bf16 (ggml then runs BF16 dot products natively; the
               same number format as the engine's), else F16 (what llama.cpp users run on such a
               host; both are 2 bytes per weight)
-  int8     -> Q8_0 (8-bit blocks of 32 with an F16 scale: 8.5 bits per weight; the engine's int8 is
-              weight-only per-channel, the embedding and norms unquantized in both)
+  int8, w8a8 -> Q8_0 (8-bit blocks of 32 with an F16 scale: 8.5 bits per weight; the engine's int8
+              weights are per output channel, w8a8's activations per row; the embedding and norms
+              unquantized in both)
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def llama_type(dtype: str, flags: set[str] | None = None, half: str = "auto") ->
     `half` forces the 2-byte type ('BF16' or 'F16'); 'auto' picks BF16 where the CPU has avx512_bf16."""
     if dtype == "float32":
         return "F32"
-    if dtype in ("int8", "bfloat16+int8"):
+    if dtype in ("int8", "bfloat16+int8", "w8a8"):
         return "Q8_0"
     if dtype == "bfloat16":
         if half.upper() in ("BF16", "F16"):

@@ -26,7 +26,7 @@ from benchmarks.ort_peer import OrtWorker
 # ------------------------------------------------------------------------------- dtype mapping
 def test_llama_type_per_engine_dtype():
     assert GG.llama_type("float32", set()) == "F32"
-    assert GG.llama_type("int8", set()) == GG.llama_type("bfloat16+int8", set()) == "Q8_0"
+    assert GG.llama_type("int8", set()) == GG.llama_type("bfloat16+int8", set()) == GG.llama_type("w8a8", set()) == "Q8_0"
     assert GG.llama_type("bfloat16", {"avx512f", "avx512_bf16"}) == "BF16"
     assert GG.llama_type("bfloat16", {"avx512f"}) == "F16"
     assert GG.llama_type("bfloat16", {"avx512_bf16"}, half="f16") == "F16"

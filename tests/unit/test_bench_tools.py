@@ -79,7 +79,8 @@ def test_roofline_without_matmul_probe_is_bandwidth_only():
 def test_compute_probe_and_peer_dtype_per_row():
     assert G.compute_probe("bfloat16") == G.compute_probe("bfloat16+int8") == "torch_matmul_bf16_gflops"
     assert G.compute_probe("int8") == G.compute_probe("float32") == "torch_matmul_fp32_gflops"
-    assert G.PEER_DTYPE == {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32", "bfloat16+int8": "bfloat16"}
+    assert G.PEER_DTYPE == {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32", "bfloat16+int8": "bfloat16",
+                            "w8a8": "float32"}
     assert G.MODELS["small-v152k"]["vocab_size"] == 151936
 
 
