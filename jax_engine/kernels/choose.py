@@ -57,8 +57,15 @@ medians compared: alternation and medians keep a noisy, shared host from favouri
 The rule (`_route`):
   1. per timed row count, the path with the lowest median wins (XLA on a tie; the library sgemm
      only if it beats the others by more than MARGIN);
-  2. neighbouring row counts with the same winner form one class; a class boundary falls at D
-     (decode / prefill) or, between 1 and D, at the power of two nearest their geometric mean;
+  2. the decode row counts (1 .. D) take one path, the one with the least summed time over them,
+     where their winners differ; neighbouring row counts with the same winner form one class, a
+     boundary falls at D (decode / prefill) or between prefill points at the power of two nearest
+     their geometric mean. Why one decode path: decode steps come at every row count from 1 to D,
+     and a matrix switching paths inside that range lost whole steps where its own timing won
+     (2-vCPU Zen 4, 'small' model, batch-16 decode, tok/s, 2 alternating rounds each: bfloat16 +
+     int8 with qkv and o on XLA from 5 rows, as the per-point rule chose, 614 / 590 against 682 /
+     703 on the kernel alone; float32 + int8 with qkv on XLA from 5 rows 561 / 567 against 598 /
+     574), though XLA's dot timed 5-27 % faster for those matrices at 16 rows alone;
   3. memory: a matrix served by both paths needs both layouts (the packed panels and XLA's),
      i.e. its weight bytes twice. A path is kept for a matrix only if it wins somewhere by more
      than MARGIN (10%); otherwise the other path serves every row count (one layout, at most 10%
@@ -82,8 +89,9 @@ shared, loaded 2-core host), median ms per layer, kernel / XLA:
             and down, XLA 1.2x for qkv (320 columns); M=2048: level within 15% -> the kernel for
             every matrix to 1024 rows, qkv on XLA above 16 rows, gate_up on XLA above 1024 (both
             layouts for those two).
-  int8      the kernel everywhere but qkv at M=16 (XLA 11% faster, so qkv keeps both layouts,
-            +11 MiB). A cold choice took 6-8 s here (half of it compiling 28 small programs);
+  int8      the kernel everywhere but qkv at M=16 (XLA 11% faster, so qkv kept both layouts,
+            +11 MiB; since rule 2's one decode path, the kernel for all decode rows: the whole
+            step lost with the split). A cold choice took 6-8 s here (half of it compiling 28 small programs);
             a warm start reads the cached JSON in ~10 ms.
 """
 from __future__ import annotations
@@ -112,7 +120,7 @@ from jax_engine.models import bert, llama
 
 log = logging.getLogger("xlaserve.kernels")
 
-RULE_VERSION = 3
+RULE_VERSION = 4
 MARGIN = 0.10                    # a second layout must win by more than this (see the module docstring)
 SAMPLES = 5                      # alternating samples per path and point (after one warm call each)
 MIN_SAMPLE_S = 0.002             # back-to-back calls per sample until at least this long
@@ -429,8 +437,17 @@ def _route(case: Case, times: dict[int, dict[str, float]], decode_rows: int) -> 
         cand = [p for p in PATHS if p in times[m] and p in allowed]
         return min(cand, key=lambda p: times[m][p] * (1 + MARGIN if p == "blas" else 1))
 
+    def decide(allowed: set[str]) -> dict[int, str]:
+        win = {m: best(m, allowed) for m in pts}
+        dec = [m for m in pts if m <= decode_rows]
+        both = [p for p in PATHS if p in allowed and all(p in times[m] for m in dec)]
+        if len({win[m] for m in dec}) > 1 and both:      # rule 2: one path for the decode class
+            one = min(both, key=lambda p: sum(times[m][p] for m in dec))
+            win.update({m: one for m in dec})
+        return win
+
     every = set(PATHS)
-    win = {m: best(m, every) for m in pts}
+    win = decide(every)
     lays = {LAYOUT[win[m]] for m in pts}
     if len(lays) == 2:                                   # rule 3: does each layout pay for itself?
         def margin(lay: str) -> float:
@@ -439,7 +456,7 @@ def _route(case: Case, times: dict[int, dict[str, float]], decode_rows: int) -> 
         weak = [lay for lay in ("kernel", "xla") if margin(lay) <= MARGIN]
         if weak:
             drop = weak[0]                               # both weak: drop the panels (XLA's layout stays)
-            win = {m: best(m, {p for p in PATHS if LAYOUT[p] != drop}) for m in pts}
+            win = decide({p for p in PATHS if LAYOUT[p] != drop})
     routes: list[tuple[int, str]] = []
     for a, b in zip(pts, pts[1:]):
         if win[a] != win[b]:
