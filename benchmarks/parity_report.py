@@ -9,7 +9,8 @@ What is compared (CPU, float32 unless noted; models are tiny and random, built w
   minilm      all-MiniLM-L6-v2 through the engine vs sentence-transformers over the benchmark
               corpus plus one ~600-token text (truncation): min cosine, max abs difference
   encoders    tiny BERT cross-encoder scores and XLM-R mean pooling vs transformers (max abs)
-  converted   `xlaserve convert` checkpoints (float32 / bfloat16 / int8) vs transformers float32
+  converted   `xlaserve convert` checkpoints (float32 / bfloat16 / int8, the int8 one also served as
+              --quantize w8a8) vs transformers float32
   tensor par. TP 2, TP 4 and 2 replicas x TP 2 on 4 forced host devices vs TP 1 (tests/helpers/tp_script.py,
               in a subprocess because the device count is fixed when JAX starts)
 The bounds are the ones the tests assert. Speed is not measured here, so torch and jax share
@@ -168,7 +169,8 @@ def converted(root: str) -> dict:
     out = {}
     for name, kw, spec, bound in (("float32", {}, {}, 0.0),
                                   ("bfloat16", {"dtype": "bfloat16"}, {"dtype": "bfloat16"}, 0.05),
-                                  ("int8", {"quantize": "int8"}, {}, 0.02)):
+                                  ("int8", {"quantize": "int8"}, {}, 0.02),
+                                  ("w8a8", {"quantize": "int8"}, {"quantize": "w8a8"}, 0.03)):   # int8 file, int8 activations
         dst = os.path.join(root, f"convert_{name}")
         convert(src, dst, progress=False, **kw)
         ours = logits(dst, **spec)
