@@ -27,6 +27,8 @@ def test_kernels_build_on_this_machine():
     lib = K._build()
     mtime = os.path.getmtime(lib)
     assert K._build() == lib and os.path.getmtime(lib) == mtime      # cached, not rebuilt
+    # -march=native: the w8a8 GEMM runs on AVX512-VNNI exactly where the CPU has it
+    assert K.vnni_active() == ("avx512_vnni" in K._cpu_flags().split())
 
 
 def test_l1d_size_from_sysfs_keys_the_build(tmp_path):
