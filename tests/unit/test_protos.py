@@ -25,6 +25,11 @@ def test_generated_code_is_up_to_date(tmp_path):
     assert sorted(fresh) == sorted(committed), "generated file set differs; run python -m frontends.grpc.gen.regen"
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale generated files {stale}; run python -m frontends.grpc.gen.regen"
+    # the generated code's grpcio floor is the install's (regen.MIN_GRPC)
+    with open(os.path.join(regen.REPO, "pyproject.toml")) as f:
+        assert f'"grpcio>={regen.MIN_GRPC}"' in f.read()
+    assert all(f"GRPC_GENERATED_VERSION = '{regen.MIN_GRPC}'" in text
+               for name, text in committed.items() if name.endswith("_pb2_grpc.py"))
 
 
 # ---------------------------------------------------------------------- seed text parsing
