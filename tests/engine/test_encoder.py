@@ -344,7 +344,15 @@ def test_packed_programs_skip_the_padding_tokens_in_the_kernel(minilm_worker, se
         return out
 
     shapes = ffi_layers(jax.make_jaxpr(w._forward_packed)(w.flat.leaves, p).jaxpr)
-    assert len(shapes) == 4 and all(s == (2,) for s in shapes), shapes     # qkv, out, ffn in, ffn out
+    # every matrix the measured plan routes to the kernel at T tokens (all four where it wins, as on
+    # a quiet 2-vCPU Zen 4; a plan timed on a busy host put ffn_in on XLA's dot at 33-128 rows)
+    # gets the live-rows operand
+    plan = w.cfg.matmul_plan
+    on_kernel = [m for m in ("qkv_w", "attn_out_w", "ffn_in_w", "ffn_out_w")
+                 if plan is not None and plan.path(m, T) == "kernel"]
+    if not on_kernel:
+        pytest.skip(f"the measured plan routes no matrix to the kernel at {T} tokens")
+    assert len(shapes) == len(on_kernel) and all(s == (2,) for s in shapes), (shapes, on_kernel)
     got = run(w, EmbedRequest("packed-live", texts=sentences[:3])).embeddings
     assert cosine_rows(got, st_reference[:3]).min() >= 0.9999
 
