@@ -204,10 +204,7 @@ def run_pairs(sides: dict[str, Callable[[], dict]], repeats: int, retries: int =
     out: dict[str, list[dict]] = {n: [] for n in names}
     clean_rounds, r = 0, 0
     while r < repeats + retries and not (r >= repeats and clean_rounds >= repeats):
-        if quiet_s > 0:
-            q = wait_for_quiet(quiet_s, DISTURBED_OTHERS_SHARE)
-            if q["waited_s"] > 1:
-                log(f"  waited {q['waited_s']}s for a quiet machine (others {q['others_share_at_start']})")
+        settle(quiet_s)
         k = (r + first) % len(names)
         got = {}
         for n in names[k:] + names[:k]:
@@ -367,6 +364,15 @@ def busy_processes(limit: int = 5, min_share: float = 0.05, sample_s: float = 0.
                     cmd = "?"
                 rows.append({"pid": pid, "share_of_cores": round(share, 2), "cmd": cmd})
     return sorted(rows, key=lambda r: -r["share_of_cores"])[:limit]
+
+
+def settle(quiet_s: float) -> None:
+    """Before a timed stretch: wait up to quiet_s seconds for other processes to go quiet (the
+    threshold that marks a round disturbed), and say so when that took a while."""
+    if quiet_s > 0:
+        q = wait_for_quiet(quiet_s, DISTURBED_OTHERS_SHARE)
+        if q["waited_s"] > 1:
+            log(f"  waited {q['waited_s']}s for a quiet machine (others {q['others_share_at_start']})")
 
 
 def wait_for_quiet(max_wait_s: float = 0.0, threshold: float = 0.15) -> dict:

@@ -598,9 +598,7 @@ def measure_row(path: str, dtype: str, peer: Peer, run: dict, vocab: int,
     gc.collect()
     # a cold start times the matmul paths (kernels/choose.py): not while the peer that just loaded
     # and warmed this row's model is still busy
-    quiet = C.wait_for_quiet(run["quiet_s"], C.DISTURBED_OTHERS_SHARE)
-    if quiet["waited_s"]:
-        C.log(f"  waited {quiet['waited_s']}s for a quiet machine (others {quiet['others_share_at_start']})")
+    C.settle(run["quiet_s"])
     try:
         eng = EngineSide(path, eng_dtype, quant, run["max_running"], run["max_model_len"], pids=peer.window_pids)
     except Exception as e:  # noqa: BLE001 -- any load failure: report it in the row and carry on
