@@ -94,6 +94,9 @@ NUM_BIAS = 64     # static width of the sparse logit-bias arrays (a request may 
 NUM_BAN = 16      # static width of the min_new_tokens ban list (EOS + stop token ids)
 FEW_SAMPLES = 8   # sample rows of a step's small LM-head branch (see the step program)
 LIVE_COST_WEIGHT = 0.05   # weight of one served step in the cost model's live offset (_observe): ~20 steps
+SPEC_SCALE_WEIGHT = 0.2   # weight of one served verifying step in its kind's live scale (_observe): ~5
+                          # steps (they are rare where guesses seldom pay)
+SPEC_SCALE_RANGE = (0.5, 4.0)   # one step's ratio counts within this range (a stall is not a price)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -294,7 +297,10 @@ class ModelRunner:
         self.kv_dtype = backend.kv_dtype(dtype)
         self.state = self._new_state()
         self.step_ms: dict[tuple[int, bool, bool], float] = {}   # speculation's cost model (time_steps)
-        self.live_offset_ms = 0.0       # what served steps cost above step_ms, on average (_observe)
+        self.live_offset_ms = 0.0       # what served plain steps cost above step_ms, on average (_observe)
+        # served verifying steps' cost over their priced plain equivalent (step_ms + offset), greedy
+        # and sampled apart (_observe)
+        self.spec_scale: dict[bool, float] = {True: 1.0, False: 1.0}
         self.lora: Optional[lora_bank.Bank] = (
             lora_bank.new_bank(cfg, rc.lora_slots, rc.lora_rank, dtype, mesh) if rc.lora_slots > 0 else None)
         self._register()
@@ -700,6 +706,7 @@ class ModelRunner:
         self.step_ms = monotone_costs(time_passes(rows, self.step, repeats),
                                       self.token_buckets)
         self.live_offset_ms = 0.0
+        self.spec_scale = {True: 1.0, False: 1.0}
 
     def _timing_rows(self, T: int, spec: bool, context: int, compiled: set,
                      greedy: bool = True) -> Optional[list[StepRow]]:
@@ -724,23 +731,47 @@ class ModelRunner:
         return rows if ("step", key) in compiled else None
 
     def _observe(self, key: tuple[int, bool, bool], ms: float) -> None:
-        """Move the cost model's live offset toward what the step that just ran cost above its
-        warmup entry. The warmup table (time_steps) is the best of a few steps on an idle process;
-        while serving, the event loop and the streams' host work share the cores with the program
-        and every step costs more, by about the same time whatever its width (2-vCPU Zen 4,
-        trained model, 8 sampled rows: a plain 8-token step 2.5 ms live vs 1.5 at warmup, a
-        16-token spec step 3.3 vs 2.2, a 64-token one 7.1 vs 6.7). One offset for the whole
-        table, learned from every step: an earlier version moved each entry toward its own
-        steps, so the plain narrow entries the server runs all the time went up while the
-        verifying ones it runs rarely kept their idle warmup value, the planner saw speculation
-        as ~10 % cheaper than it was (8 concurrent sampled streams: 16-token spec steps observed
-        2.54 ms against 2.36 in the table) and verified guesses that did not pay."""
+        """Keep the cost model current with what served steps cost. The warmup table (time_steps)
+        is the best of a few steps on an idle process; while serving, the event loop and the
+        streams' host work share the cores with the program and every step costs more.
+
+        Plain steps move one live offset for the whole table, by about the same time whatever
+        the width (2-vCPU Zen 4, trained model, 8 sampled rows: a plain 8-token step 2.5 ms live
+        vs 1.5 at warmup). An earlier version moved each entry toward its own steps, so the
+        plain narrow entries the server runs all the time went up while the verifying ones it
+        runs rarely kept their idle warmup value.
+
+        Verifying steps move a scale of their kind (greedy or sampled) instead: they cost more
+        live than the offset alone says, in proportion to their width. Measured on 8 sampled
+        streams of the trained model (2-vCPU Zen 4, same process, ms live / table): 16-token
+        verifying steps 3.04 / 2.45, 32-token 4.67 / 3.15, 40-token 4.5-5.5 / 3.03, 64-token
+        6.8-7.5 / 4.57, against plain 8-token ones 1.6-2.0 / 1.6 (the warmup times each width back
+        to back and keeps the best; served, a verifying step comes alone between plain ones).
+        Priced at table + offset, the verifying steps of a sampled pass cost 31-54 % more than
+        the planner expected (92.8 ms priced, 122 ms taken in one pass), it verified guesses that
+        did not pay. The offset no longer learns from verifying steps: a rare wide one would move
+        every plain price. Before and after (with scheduler._draft asking rows only for the
+        guesses the pricing could verify), alternating in one process, suffix, K = 16, tok/s
+        over `off`: 8 sampled streams 0.966 -> 1.010 (24 rounds; paired medians 0.993 -> 1.012),
+        a second 24-round run 0.917 -> 0.941 (paired 0.946 -> 0.932): a few percent at most on
+        this host's noise (rounds move +-15 %); 8 copy streams 1.529 -> 1.524 (16 rounds), 8
+        repeated ones 2.48 -> 2.53 (8 rounds): unchanged where guesses pay."""
         old = self.step_ms.get(key)
-        if old is not None:
+        if old is None:
+            return
+        if key[1]:
+            base = max(old + self.live_offset_ms, 1e-3)
+            lo, hi = SPEC_SCALE_RANGE
+            r = min(max(ms / base, lo), hi)
+            self.spec_scale[key[2]] += SPEC_SCALE_WEIGHT * (r - self.spec_scale[key[2]])
+        else:
             self.live_offset_ms += LIVE_COST_WEIGHT * ((ms - old) - self.live_offset_ms)
 
     def step_cost(self, tokens: int, spec: bool, greedy: bool = True) -> float:
-        """Measured ms of a step over `tokens` tokens (time_steps, plus the live offset), greedy or
-        sampled; 1.0 when not measured."""
+        """Measured ms of a step over `tokens` tokens (time_steps, plus the live offset; times the
+        live scale of its kind for a verifying step: _observe), greedy or sampled; 1.0 when not
+        measured."""
         ms = self.step_ms.get((pick(self.token_buckets, max(1, tokens)), spec, greedy))
-        return 1.0 if ms is None else ms + self.live_offset_ms
+        if ms is None:
+            return 1.0
+        return (ms + self.live_offset_ms) * (self.spec_scale[greedy] if spec else 1.0)

@@ -318,9 +318,14 @@ class Scheduler:
             return self.runner.step_cost(tokens, spec, greedy) + d.host_cost(spec)
         widths = self.runner.token_buckets
         could = d.choose([[0] * k for k in limits], tracks, decode_tokens, room, cost, chunk_tokens, widths, alone)
+        # a row is asked for as many guesses as that pricing would verify of it (its later ones
+        # could not pay even if they came): a proposer's work grows with the guesses asked, and a
+        # sampled row's search over k tokens is ~0.15 ms (the match is followed up to k tokens
+        # back among every occurrence); 8 sampled streams of the trained model asked for 16 guesses
+        # a row to verify 2-3 of them
         props: list[list[int]] = []
-        for seq, limit, c in zip(rows, limits, could):
-            g = d.propose(seq.spec, seq.tokens, limit) if c > 0 else []
+        for seq, c in zip(rows, could):
+            g = d.propose(seq.spec, seq.tokens, c) if c > 0 else []
             if g and seq.grammar is not None:
                 g = g[:seq.grammar.valid_prefix(g)]
             props.append(g)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jax_engine.config import ModelSpec
+from jax_engine.decode import runner as runner_mod
 from jax_engine.decode import speculate
 from jax_engine.decode.speculate import Drafter
 from jax_engine.engine import Engine
@@ -235,28 +236,51 @@ def test_planner_costs_sampled_steps_with_the_sampled_table(engine):
 
 
 def test_served_steps_keep_the_cost_model_current(engine):
-    """Each served step moves the cost model's one live offset toward what it cost above its
+    """Each served plain step moves the cost model's one live offset toward what it cost above its
     table entry (runner._observe), so every width is priced with what serving adds, the widths it
     rarely runs too: with a table that prices every step at 1e6 ms the offset goes toward -1e6 and
     every entry's price comes down alike, the table itself unchanged; with no table (time_steps
-    did not run) nothing is learned."""
+    did not run) nothing is learned. Served verifying steps move their kind's scale instead
+    (greedy and sampled apart), and leave the offset alone."""
     runner = _sched(engine).runner
     table = {(T, spec, greedy): 1e6 for T in runner.token_buckets for spec in (False, True)
              for greedy in (False, True)}
     runner.step_ms = dict(table)
-    runner.live_offset_ms = 0.0
+    runner.live_offset_ms, runner.spec_scale = 0.0, {True: 1.0, False: 1.0}
     try:
         _use(engine, "off")
         asyncio.run(run(engine, LOOPY[0], temperature=0.0, max_new_tokens=12))
         assert runner.step_ms == table
         assert -1e6 < runner.live_offset_ms < -1e5                  # 12 steps at weight 0.05: ~-0.46e6
+        assert runner.spec_scale == {True: 1.0, False: 1.0}
         prices = {runner.step_cost(T, spec, greedy) for T, spec, greedy in table}
         assert len(prices) == 1 and prices.pop() == 1e6 + runner.live_offset_ms
+
+        # verifying steps: a greedy one 3x its price moves the greedy scale only, not the offset
+        offset, T = runner.live_offset_ms, runner.token_buckets[-1]
+        runner._observe((T, True, True), 3.0 * (1e6 + offset))
+        assert runner.live_offset_ms == offset and runner.spec_scale[False] == 1.0
+        assert runner.spec_scale[True] == pytest.approx(1.0 + runner_mod.SPEC_SCALE_WEIGHT * 2.0)
+        assert runner.step_cost(T, True, True) == pytest.approx((1e6 + offset) * runner.spec_scale[True])
+        assert runner.step_cost(T, False, True) == 1e6 + offset and runner.step_cost(T, True, False) == 1e6 + offset
+        runner._observe((T, True, False), 0.0)          # one step's ratio counts within the range
+        assert runner.spec_scale[False] == pytest.approx(
+            1.0 + runner_mod.SPEC_SCALE_WEIGHT * (runner_mod.SPEC_SCALE_RANGE[0] - 1.0))
+
+        # served: a speculating engine's verifying steps move the greedy scale
+        runner.spec_scale = {True: 1.0, False: 1.0}
+        d = _use(engine, "ngram")
+        asyncio.run(run(engine, LOOPY[0], temperature=0.0, max_new_tokens=24))
+        assert d.stats().verify_rows > 0
+        assert runner.spec_scale[True] < 1.0 and runner.spec_scale[False] == 1.0  # far below 1e6 ms
+
         runner.step_ms, runner.live_offset_ms = {}, 0.0
+        runner.spec_scale = {True: 1.0, False: 1.0}
         asyncio.run(run(engine, LOOPY[0], temperature=0.0, max_new_tokens=4))
-        assert runner.step_ms == {} and runner.live_offset_ms == 0.0
+        assert runner.step_ms == {} and runner.live_offset_ms == 0.0 and runner.spec_scale == {True: 1.0, False: 1.0}
     finally:
         runner.step_ms, runner.live_offset_ms = {}, 0.0
+        runner.spec_scale = {True: 1.0, False: 1.0}
 
 
 def test_no_compiles_after_warmup_with_speculation(engine, monkeypatch):

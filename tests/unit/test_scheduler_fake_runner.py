@@ -559,6 +559,29 @@ def test_rows_that_can_end_together_do_so_instead_of_leaving_a_step_of_leftovers
         assert sched.pool.num_used() == 0 and sorted(sched.free_slots) == list(range(sched.max_running))
 
 
+def test_a_row_is_asked_only_for_the_guesses_the_pricing_could_verify():
+    """A proposer's work grows with the guesses it is asked for; a row is asked for as many as the
+    pricing with every row offering all it may would verify of it (scheduler._draft), not K:
+    here a step wider than 4 tokens costs 10x, so two decoding rows verify one guess each and
+    are asked for one each, not 8."""
+    asked: list[int] = []
+
+    class Recording(_CountingProposer):
+        def propose(self, tokens, k):
+            asked.append(k)
+            return super().propose(tokens, k)
+
+    runner = SpecFakeRunner(max_running=2, max_batched_tokens=16)
+    runner.step_cost = lambda T, spec, greedy=True: 1.0 if T <= 4 else 10.0
+    sched, drafter = spec_scheduler(runner, 8, Recording)
+    drafter.observe_host = lambda verified, ms: None          # price the table alone (no host time)
+    outs = [submit(sched, f"r{i}", [10 * i + 1, 10 * i + 2], 20) for i in range(2)]
+    run(sched)
+    assert [tokens(o) for o in outs] == [list(range(3, 23)), list(range(13, 33))]
+    assert asked and set(asked) == {1}
+    assert drafter.verify_rows > 0 and max(st.num_tokens for st in runner.steps if not st.chunks) == 4
+
+
 def test_a_prompt_verifies_guesses_in_the_step_that_ends_it():
     """The step that ends a prompt may carry guesses after it (_plan_drafts' prompts): with no
     decoding stream waiting, a prompt of 6 tokens comes back with 1 + 8 tokens from its first step,
