@@ -545,7 +545,7 @@ def test_rows_that_can_end_together_do_so_instead_of_leaving_a_step_of_leftovers
         cost = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.8, 32: 3.0}
         runner.step_cost = lambda T, spec, greedy=True: next(v for b, v in sorted(cost.items()) if b >= T)
         sched, drafter = spec_scheduler(runner, 8)
-        drafter.prior = 0.999                       # the guesses have always been right
+        drafter.prior[True] = 0.999                 # the guesses have always been right
         drafter.observe_host = lambda verified, ms: None      # price the table alone (no host time)
         outs = [submit(sched, f"r{i}", [10 * i + 1, 10 * i + 2], 46) for i in range(2 + waiting)]
         run(sched)

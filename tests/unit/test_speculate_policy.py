@@ -134,6 +134,21 @@ def test_new_sequences_start_from_the_recent_acceptance():
     assert d.start([1]).rate > 0.99
 
 
+def test_greedy_and_sampled_sequences_keep_a_prior_each():
+    """A sampled sequence starts from the recent acceptance of sampled sequences, not of greedy
+    ones (argmax matches and rejection sampling accept at very different rates): after greedy
+    rows accepted every guess, a new sampled row still starts where sampled ones left off."""
+    d = _drafter()
+    g, s = d.start([1], greedy=True), d.start([1], greedy=False)
+    assert g.greedy and not s.greedy
+    for _ in range(300):
+        d.record(g, 4, 4)
+    for _ in range(300):
+        d.record(s, 4, 1)                   # 1 of 2 trials each time: q -> 0.5
+    assert d.start([1], greedy=True).rate > 0.99
+    assert abs(d.start([1], greedy=False).rate - 0.5) < 0.01
+
+
 def test_pricing_only_at_the_bucket_edges_chooses_what_pricing_every_count_does():
     import random
 
@@ -293,7 +308,7 @@ def test_rows_priced_out_are_explored_and_learn_their_rate():
     # a repeated text: every explored guess accepted, q near 1 (the drafter's prior weighs in as
     # EXPLORE_PRIOR trials) and the pricing keeps guessing
     for t in tracks:
-        prior = d.prior
+        prior = d.prior[True]
         d.record(t, EXPLORE_GUESSES, EXPLORE_GUESSES)
         assert t.rate == (EXPLORE_GUESSES + EXPLORE_PRIOR * prior) / (EXPLORE_GUESSES + EXPLORE_PRIOR)
     assert all(t.rate > 0.85 and not t.explored for t in tracks)
