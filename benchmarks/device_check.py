@@ -661,7 +661,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     r.add_argument("--peak-tbps", type=float, default=4.8, help="chip memory bandwidth, TB/s (H200: 4.8)")
     r.add_argument("--peak-tflops", type=float, default=989.0, help="chip dense bf16 TFLOP/s (H200: 989)")
     r.add_argument("--dtype", default="auto", help="bench / serve dtype (auto = bfloat16 on GPU)")
-    r.add_argument("--quantize", default="none", choices=["none", "int8"], help="bench / serve weights")
+    r.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],
+                   help="bench / serve weights (w8a8: int8 activations too; its XLA path has not run on a GPU yet)")
     r.add_argument("--attention-backend", default=None, help="bench / serve --attention-backend (default: the engine's)")
     r.add_argument("--parity-backends", default=None,
                    help="attention backends the parity step runs (default auto,reference on a device; dry: auto)")

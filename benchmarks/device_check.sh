@@ -11,7 +11,7 @@
 #        # manylinux wheels of the deps the GPU image lacks, at the versions installed here, ~11 MiB)
 #   bash benchmarks/device_check.sh [run options]        # ON THE GPU (< 8 minutes; budget 420 s of steps)
 #        # options: --peak-tbps 4.8 --peak-tflops 989 --batches 1,16,64 --steps parity,bench,serve
-#        #          --dtype auto --quantize none|int8 --attention-backend auto|reference|pallas
+#        #          --dtype auto --quantize none|int8|w8a8 --attention-backend auto|reference|pallas
 #        #          --parity-backends auto,reference --budget-s 420
 #        #          (all of them: python -m benchmarks.device_check run --help)
 #   bash benchmarks/device_check.sh --dry-run            # the same code on CPU, tiny shapes (< 2 minutes),
