@@ -334,6 +334,11 @@ def render_small(d: dict, quick: bool) -> list[str]:
     return lines + ["", f"Compilations after warmup: {comp} (target 0).", ""]
 
 
+def _requests(label: str) -> int:
+    """Requests per round of a summary row ("b8/copy" -> 24)."""
+    return requests_per_round(int(label.split("/")[0][1:]))
+
+
 def _x(v: Any) -> str:
     return f"{v:.2f}×" if isinstance(v, (int, float)) else "–"
 
@@ -371,6 +376,11 @@ def render(d: dict, quick: bool) -> list[str]:
                      f"{C.fmt(ar.get('ngram'), '{:.2f}')} / {C.fmt(ar.get('suffix'), '{:.2f}')} | "
                      f"{C.fmt(al.get('ngram'), '{:.2f}')} / {C.fmt(al.get('suffix'), '{:.2f}')} | {ident} | "
                      f"{s.get('clean_rounds')} of {s.get('rounds')} |")
+    copied = [f"{label} {'/'.join(map(str, s['copied'].get('off') or []))} of {_requests(label)}"
+              for label, s in (d.get("summary") or {}).items() if s.get("copied")]
+    if copied:
+        lines += ["", "Copy answers that went on with their prompt's span (the next 32 bytes), per round "
+                      "(greedy: the same for every engine): " + "; ".join(copied) + "."]
     comp = ", ".join(f"{k} {v.get('engine_after_warmup')}" for k, v in (d.get("compilations") or {}).items())
     lines += ["", f"Compilations after warmup: {comp} "
                   "(target 0). Step program times the planner used (ms, token bucket, `+spec` = the verifying variant): "

@@ -44,3 +44,17 @@ def test_render_shows_every_row_goal_and_the_sample():
     assert "| b1/repeat | 100.0 | 130.0 | 1.30× | 260.0 | 2.60× | ≥ 2.5× (not met/met) |" in text
     assert "| b8/sampled |" in text and "≥ 0.97×" in text
     assert "def f():" in text and "Compilations after warmup: off 0, suffix 0" in text
+
+
+def test_render_says_how_many_copy_answers_went_on_with_the_span():
+    """The copy row is only a copying measurement if the model copies: the README line says how
+    many answers per round went on with their prompt's span."""
+    runs = {"off": [_round(100), _round(100)], "ngram": [_round(130), _round(130)], "suffix": [_round(260), _round(260)]}
+    for side, n in (("off", 3), ("ngram", 3), ("suffix", 3)):
+        for r in runs[side]:
+            r["copied"] = n
+    runs["off"][1]["copied"] = 5
+    doc = {"setup": {"k": 4, "rounds": 2}, "model": {}, "machine": {"cpu": "c", "cores": 2}, "cpu": {},
+           "finished": "2026-01-01T00:00:00+0000", "summary": {"b8/copy": D.summarize(runs)}, "compilations": {}}
+    text = "\n".join(D.render(doc, quick=True))
+    assert "Copy answers that went on with their prompt's span" in text and "b8/copy 3/5 of 24" in text
