@@ -748,8 +748,8 @@ class ModelRunner:
         6.8-7.5 / 4.57, against plain 8-token ones 1.6-2.0 / 1.6 (the warmup times each width back
         to back and keeps the best; served, a verifying step comes alone between plain ones).
         Priced at table + offset, the verifying steps of a sampled pass cost 31-54 % more than
-        the planner expected (92.8 ms priced, 122 ms taken in one pass), it verified guesses that
-        did not pay. The offset no longer learns from verifying steps: a rare wide one would move
+        the planner expected (92.8 ms priced, 122 ms taken in one pass), and it verified guesses
+        that did not pay. The offset no longer learns from verifying steps: a rare wide one would move
         every plain price. Before and after (with scheduler._draft asking rows only for the
         guesses the pricing could verify), alternating in one process, suffix, K = 16, tok/s
         over `off`: 8 sampled streams 0.966 -> 1.010 (24 rounds; paired medians 0.993 -> 1.012),
