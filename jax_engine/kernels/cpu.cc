@@ -1543,6 +1543,7 @@ using Rank2 = ffi::Buffer<ffi::F32, 2>;
 // encoder_pv, all-MiniLM-L6-v2's attention over 32 packed sentences (1,178-1,275 tokens, 2-vCPU
 // AMX Xeon) took 1.02 -> 0.82 ms a layer (the scalar transposition was ~17 % of the kernel's
 // samples, the PV accumulators lived on the stack).
+#ifdef __AVX512F__
 inline void transpose16x16(__m512 r[16]) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {
@@ -1564,6 +1565,7 @@ inline void transpose16x16(__m512 r[16]) {
     r[12 + e] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
   }
 }
+#endif
 
 // out rows (4, `ldo` apart) = p @ v over n keys: p the 4 rows' probabilities (`np` apart, scaled by
 // inv at the end), v [n, D] contiguous, NV vectors of 16 columns from column d0. A template so the
@@ -1623,11 +1625,18 @@ void encoder_attend(const float* base, int64_t row, const int64_t* keys, int64_t
   for (int64_t jb = 0; jb < n; jb += 16) {                     // keys transposed, 16 x 16 blocks
     const int64_t m = std::min<int64_t>(16, n - jb);
     for (int64_t c = 0; c < D; c += 16) {
+#ifdef __AVX512F__
       __m512 blk[16];
       for (int64_t j = 0; j < 16; ++j)
         blk[j] = j < m ? _mm512_loadu_ps(base + keys[jb + j] * row + HD + c) : _mm512_setzero_ps();
       transpose16x16(blk);
       for (int64_t d = 0; d < 16; ++d) _mm512_storeu_ps(kt.data() + (c + d) * np + jb, blk[d]);
+#else     // AVX2 and older: element by element (kt starts zeroed, so keys past m stay 0)
+      for (int64_t j = 0; j < m; ++j) {
+        const float* kr = base + keys[jb + j] * row + HD + c;
+        for (int64_t d = 0; d < 16; ++d) kt[(c + d) * np + jb + j] = kr[d];
+      }
+#endif
     }
   }
   for (int64_t i0 = 0; i0 < n; i0 += 4) {
