@@ -30,7 +30,7 @@
 #include <vector>
 #include <algorithm>
 #include <type_traits>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -163,6 +163,12 @@ inline v16 load_w(const float* p) { return load16(p); }
 inline v16 load_w(const int8_t* p) {
 #ifdef __AVX512F__
   return reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  union { __m256 h[2]; v16 v; } u;
+  u.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  u.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  return u.v;
 #else
   v16 v;
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
@@ -190,9 +196,63 @@ __attribute__((always_inline)) inline void prefetch_row(const W* row) {
 // pf (or null): what to prefetch into L2 as this chunk is read. pf_step 0: the same rows of the
 // panel's next K chunk (row k's 64 weights at step k); otherwise PfLines cache lines from
 // pf + k pf_step at step k (do_panel's spread form).
+#ifndef XLASERVE_AVX2_MIN_ROWS
+#define XLASERVE_AVX2_MIN_ROWS 2
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+inline v8 load_w8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline v8 load_w8(const int8_t* p) {
+  return reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+}
+
+// micro() for 2..6 rows on AVX2 (16 ymm registers): the 64-column tile as 4 passes of 16 columns,
+// MR x 2 accumulators + 2 weight vectors + a broadcast (<= 15 registers). The 64-column form
+// needs MR x 8 accumulators, which GCC spilled to the stack (a load and a store beside each FMA).
+// The chunk's later passes read it from L1 (kKcF32 rows fill at most 3/4 of it); the first
+// pass issues the prefetches.
+template <int MR, typename W, int PfLines>
+inline void micro_avx2(const float* const (&xr)[MR], const W* panel, float* y, int64_t ldy, int64_t m0,
+                       int64_t kn, bool first, const W* pf, int64_t pf_step) {
+  for (int q = 0; q < kVec; ++q) {
+    v8 acc[MR][2];
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < 2; ++h)
+        acc[m][h] = first ? v8{} : *reinterpret_cast<const v8u*>(y + (m0 + m) * ldy + 16 * q + 8 * h);
+    for (int64_t k = 0; k < kn; ++k) {
+      if (q == 0) {
+        if (pf_step == 0) {
+          prefetch_row<kTile>(pf ? pf + k * kTile : pf);
+        } else if (pf != nullptr) {
+          for (int l = 0; l < PfLines; ++l) __builtin_prefetch(pf + k * pf_step + l * int64_t(64 / sizeof(W)), 0, 2);
+        }
+      }
+      const W* row = panel + k * kTile + 16 * q;
+      const v8 w0 = load_w8(row), w1 = load_w8(row + 8);
+      for (int m = 0; m < MR; ++m) {
+        const float xv = xr[m][k];
+        acc[m][0] += w0 * xv;
+        acc[m][1] += w1 * xv;
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < 2; ++h) *reinterpret_cast<v8u*>(y + (m0 + m) * ldy + 16 * q + 8 * h) = acc[m][h];
+  }
+}
+#endif
+
 template <int MR, typename W = float, int PfLines = 2>
 inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
                   int64_t kn, bool first, const W* pf = nullptr, int64_t pf_step = 0) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (MR >= XLASERVE_AVX2_MIN_ROWS || !std::is_same_v<W, float>) {
+    const float* rows[MR];
+    for (int m = 0; m < MR; ++m) rows[m] = x + (m0 + m) * K;
+    micro_avx2<MR, W, PfLines>(rows, panel, y, ldy, m0, kn, first, pf, pf_step);
+    return;
+  }
+#endif
   v16 acc[MR][kVec];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVec; ++v) acc[m][v] = first ? v16{} : load16(y + (m0 + m) * ldy + 16 * v);
@@ -677,11 +737,58 @@ inline void pairs_f32(const int8_t* row, int v, v16& lo, v16& hi) {
 // (uint32_t pairs), or two plain int8 rows.
 template <typename W> constexpr int64_t kPairRow = std::is_same_v<W, int8_t> ? 2 * kTile : kTile;
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+typedef unsigned v8ui __attribute__((vector_size(32), aligned(4), may_alias));
+// 8 columns (8 c .. 8 c + 7) of one K pair as two float vectors (even K row lo, odd hi)
+inline void pairs_f32x8(const uint32_t* row, int c, v8& lo, v8& hi) {
+  const v8ui w = *reinterpret_cast<const v8ui*>(row + 8 * c);
+  lo = reinterpret_cast<v8>(w << 16);
+  hi = reinterpret_cast<v8>(w & 0xFFFF0000u);
+}
+inline void pairs_f32x8(const int8_t* row, int c, v8& lo, v8& hi) {
+  lo = load_w8(row + 8 * c);
+  hi = load_w8(row + kTile + 8 * c);
+}
+
+// micro_pairs for 2..6 rows on AVX2: 8 columns a pass (MR accumulators, 2 weight vectors and
+// 2 broadcasts: <= 10 of the 16 ymm registers; all 64 columns at once spilled them, as in
+// micro_avx2); the first pass prefetches.
+template <int MR, typename W>
+inline void micro_pairs_avx2(const uint32_t* const (&xr)[MR], const W* panel, float* y, int64_t ldy, int64_t m0,
+                             int64_t kn2, bool first, const W* pf) {
+  for (int c = 0; c < kTile / 8; ++c) {
+    v8 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = first ? v8{} : *reinterpret_cast<const v8u*>(y + (m0 + m) * ldy + 8 * c);
+    for (int64_t j = 0; j < kn2; ++j) {
+      const W* row = panel + j * kPairRow<W>;
+      if (c == 0) prefetch_row<kPairRow<W>>(pf ? pf + j * kPairRow<W> : pf);
+      v8 lo, hi;
+      pairs_f32x8(row, c, lo, hi);
+      for (int m = 0; m < MR; ++m) {
+        const uint32_t p = xr[m][j];
+        const uint32_t lb = p << 16, hb = p & 0xFFFF0000u;
+        float xl, xh;
+        std::memcpy(&xl, &lb, 4);
+        std::memcpy(&xh, &hb, 4);
+        acc[m] += lo * xl + hi * xh;
+      }
+    }
+    for (int m = 0; m < MR; ++m) *reinterpret_cast<v8u*>(y + (m0 + m) * ldy + 8 * c) = acc[m];
+  }
+}
+#endif
+
 template <int MR, typename W>
 inline void micro_pairs(const uint32_t* x, int64_t K2, const W* panel, float* y, int64_t ldy, int64_t m0,
                         int64_t kn2, bool first, const W* pf = nullptr) {
   const uint32_t* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * K2;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (MR >= 2) {
+    micro_pairs_avx2<MR, W>(xr, panel, y, ldy, m0, kn2, first, pf);
+    return;
+  }
+#endif
 #ifdef __AVX512BF16__
   __m512 acc[MR][kVec];
   for (int m = 0; m < MR; ++m)
@@ -940,7 +1047,8 @@ ffi::Error GemmI8BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, Panels
 // alternating rounds, float32-activation int8 loop -> this one: M = 16 3.93 -> 2.04, M = 64 13.7
 // -> 8.3, M = 256 49.5 -> 26.7 (~300-360 GOP/s); at M = 1 both stream the weights (48 layers of
 // 768 x 4096, 151 MB: 4.67 -> 4.66).
-// Without AVX512-VNNI the loop is plain C++ (correct, slow: choose.py then keeps XLA's dot).
+// Without AVX512-VNNI: an AVX2 loop (vpmaddwd on widened weights, micro_a8), else plain C++
+// (correct, slow: choose.py then keeps XLA's dot).
 using PanelsU8 = ffi::Buffer<ffi::U8, 4>;   // [L, P, K4, 256]
 
 constexpr int64_t kQuad = 4 * kTile;   // bytes of one quad row of a panel
@@ -1003,6 +1111,43 @@ inline void micro_a8(const int8_t* x, int64_t ldx, const uint8_t* panel, int32_t
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVec; ++v) _mm512_storeu_si512(acc_buf + m * kTile + 16 * v, acc[m][v]);
+#elif defined(__AVX2__)
+  // AVX2 without VNNI: the unsigned weights widened to int16 (vpmovzxbw) and multiplied against
+  // the row's quad as int16 (vpmaddwd: two exact products a 32-bit lane; vpmaddubsw would saturate
+  // its int16 pair sums, 255 x 127 x 2 > 32767). 8 columns at a time over the chunk: 2 accumulators
+  // a row, 2 MR + 3 of the 16 ymm registers (all 64 columns at once spilled them for MR > 1);
+  // the pair sums fold into column sums at the end. The row's quads are widened once per call.
+  thread_local std::vector<int64_t> xw;
+  xw.resize(MR * kn4);
+  for (int m = 0; m < MR; ++m)
+    for (int64_t j = 0; j < kn4; ++j) {
+      uint64_t v = 0;
+      for (int e = 0; e < 4; ++e) v |= uint64_t(uint16_t(int16_t(x[m * ldx + 4 * j + e]))) << (16 * e);
+      xw[m * kn4 + j] = static_cast<int64_t>(v);
+    }
+  for (int g = 0; g < kTile / 8; ++g) {
+    __m256i acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    const uint8_t* col = panel + 32 * g;
+    for (int64_t j = 0; j < kn4; ++j) {
+      if (g == 0) prefetch_row<kQuad>(pf ? pf + j * kQuad : pf);
+      const uint8_t* p = col + j * kQuad;
+      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      for (int m = 0; m < MR; ++m) {
+        const __m256i xb = _mm256_set1_epi64x(xw[m * kn4 + j]);
+        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(w0, xb));
+        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(w1, xb));
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      // hadd: [c0 c1 c4 c5 | c2 c3 c6 c7]; the 64-bit permute puts the 8 columns in order
+      __m256i sum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][0], acc[m][1]), 0xD8);
+      __m256i* a = reinterpret_cast<__m256i*>(acc_buf + m * kTile + 8 * g);
+      if (!first) sum = _mm256_add_epi32(sum, _mm256_loadu_si256(a));
+      _mm256_storeu_si256(a, sum);
+    }
+  }
 #else
   (void)pf;
   for (int m = 0; m < MR; ++m) {
@@ -1023,7 +1168,11 @@ inline void do_panel_a8(const int8_t* xq, int64_t Kp, const float* sx, const int
   acc.resize(rows * kTile);
   // decode (one block of rows): one pass, the sums never leave the registers; more rows: K in
   // chunks that stay in L1 while every block of rows reads them
+#ifdef __AVX512VNNI__
   const int64_t kc = rows <= 6 ? K4 : kKc4;
+#else
+  const int64_t kc = kKc4;     // the AVX2 loop reads each chunk 8 times (8 columns a pass): keep it in L1
+#endif
   for (int64_t k0 = 0; k0 < K4; k0 += kc) {
     const int64_t kn4 = std::min(kc, K4 - k0);
     const uint8_t* chunk = panel + k0 * kQuad;
