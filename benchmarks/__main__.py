@@ -251,13 +251,27 @@ def _gen_row(dtype: str, row: dict, B: int) -> str:
             f"{_f(b['roofline_fraction'].get('xlaserve_decode'), '{:.0%}')} | {b.get('clean_rounds')} of {b.get('rounds')} |")
 
 
-def sec_generate(g: dict, quick: bool) -> list[str]:
+def generate_variants(quick: bool) -> list[str]:
+    """Results names of generate_vs_hf runs kept beside the default file (`--results-name`: another
+    host class, e.g. generate_vs_hf_avx2), sorted."""
+    suffix = "_quick.json" if quick else ".json"
+    out = []
+    for fn in sorted(os.listdir(C.RESULTS_DIR)):
+        if not (fn.startswith("generate_vs_hf_") and fn.endswith(suffix)):
+            continue
+        name = fn[: -len(suffix)]
+        if name != "generate_vs_hf" and (quick or not name.endswith("_quick")):
+            out.append(name)
+    return out
+
+
+def sec_generate(g: dict, quick: bool, name: str = "generate_vs_hf") -> list[str]:
     s, lim = g["setup"], g.get("limits") or {}
     kv = sorted({r.get("kv_itemsize") for r in g["rows"].values() if isinstance(r, dict) and r.get("kv_itemsize")})
     lc = s.get("llamacpp") or {}
     peers = "llama.cpp and transformers `generate`" if lc and "skipped" not in lc else "transformers `generate`"
     lines = [(f"### Generation: random '{s['model']}' Llama ({(s.get('params') or 0) / 1e6:.1f} M parameters) "
-             f"vs {peers} ({_cpu(g)})"), "", _src("generate_vs_hf", quick, g), "",
+             f"vs {peers} ({_cpu(g)})"), "", _src(name, quick, g), "",
              (f"Prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens forced, greedy; transformers runs in its "
              f"own process in the dtype named in the row. Roofline = min(bandwidth, compute): read bandwidth "
              f"{_f(lim.get('torch_sum_gbps'))} GB/s (best of {lim.get('probes')} probes over "
@@ -727,6 +741,10 @@ def section(quick: bool) -> str:
                         ("parity", sec_parity), ("tests", sec_tests)):
         if docs[job]:
             lines += render(docs[job], quick)
+    for name in generate_variants(quick):
+        doc = _load(name, quick)
+        if doc and doc.get("benchmark") == "generate_vs_hf":
+            lines += sec_generate(doc, quick, name)
     if docs["profile_decode"]:
         lines += sec_profile(docs["profile_decode"], docs["profile_decode_batch"], quick)
     if len(lines) <= 3:

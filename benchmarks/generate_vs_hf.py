@@ -397,6 +397,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                          "with a note when not installed). Default hf,llamacpp")
     ap.add_argument("--llamacpp-half", choices=["auto", "bf16", "f16"], default="auto",
                     help="GGUF type against the bfloat16 row (default auto: BF16 with avx512_bf16, else F16)")
+    ap.add_argument("--results-name", default=NAME,
+                    help=f"results file name (default {NAME}); another host class keeps its own file beside the "
+                         f"default one, e.g. {NAME}_avx2 on a host without AVX-512: the README shows each "
+                         f"{NAME}*.json with its host line")
     ap.add_argument("--merge", action="store_true",
                     help="merge this run's rows into the previous results file (re-measure disturbed parts)")
     C.add_round_args(ap)
@@ -487,12 +491,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         llama.close()
     doc["busy_processes_at_end"] = C.busy_processes()
     if a.merge:
-        doc = merge_into_previous(doc, quick)
+        doc = merge_into_previous(doc, quick, a.results_name)
         batches = doc["setup"]["batches"]
     doc["targets"] = targets(doc["rows"], batches)
     if not a.no_plot:
-        doc["plots"] = plots(doc["rows"], batches, quick, doc["cpu"], doc["setup"])
-    return C.finish(doc, NAME, quick)
+        doc["plots"] = plots(doc["rows"], batches, quick, doc["cpu"], doc["setup"], a.results_name)
+    return C.finish(doc, a.results_name, quick)
 
 
 def start_llamacpp(run: dict) -> tuple[Peer | None, str | None]:
@@ -705,13 +709,13 @@ def summarize_row(raw: dict, cfg: dict, limits: dict, run: dict, dtype: str) -> 
     return row
 
 
-def merge_into_previous(doc: dict, quick: bool) -> dict:
+def merge_into_previous(doc: dict, quick: bool, name: str = NAME) -> dict:
     """Put this run's (dtype, batch) entries into the previous result file's rows.
 
     For re-measuring the parts of a long run that other processes disturbed. Every batch
     entry carries its own roofline (with the bandwidth of the run that measured it), and the
     merged document lists every run that contributed."""
-    path = C.result_path(NAME, quick)
+    path = C.result_path(name, quick)
     if not os.path.isfile(path):
         return doc
     with open(path) as f:
@@ -857,7 +861,7 @@ def hf_targets(rows: dict, batches: list[int]) -> dict:
     }
 
 
-def plots(rows: dict, batches: list[int], quick: bool, cpu: dict, setup: dict) -> list[str]:
+def plots(rows: dict, batches: list[int], quick: bool, cpu: dict, setup: dict, name: str = NAME) -> list[str]:
     note = f"cpu share {cpu['cpu_share_of_cores']}, others {cpu['others_share_of_cores']}" + \
            (" (DISTURBED)" if cpu["disturbed"] else "")
     groups = [f"batch {B}" for B in batches]
@@ -880,9 +884,9 @@ def plots(rows: dict, batches: list[int], quick: bool, cpu: dict, setup: dict) -
             v = [f[f"batch_{B}"].get(peer, {}).get("prefill_s") for B in batches]
             prefill[label] = [C.rnd(x * 1e3, 1) if x else None for x in v]
         series["roofline, float32 row"] = [f[f"batch_{B}"]["roofline"]["decode_tok_s"] for B in batches]
-    p1 = C.bar_plot(C.result_path(NAME, quick, "png"), f"random '{setup['model']}' Llama decode, CPU: tokens/s",
+    p1 = C.bar_plot(C.result_path(name, quick, "png"), f"random '{setup['model']}' Llama decode, CPU: tokens/s",
                     groups, series, "tokens / s (higher is better)", note)
-    p2 = C.bar_plot(C.result_path(NAME + "_prefill", quick, "png"),
+    p2 = C.bar_plot(C.result_path(name + "_prefill", quick, "png"),
                     f"prefill ({setup['prompt_len']}-token prompts; batch B = all B prompts)",
                     groups, prefill, "ms (lower is better)", note)
     return [C.rel(p) for p in (p1, p2)]

@@ -211,7 +211,14 @@ inline v8 load_w8(const int8_t* p) {
 // MR x 2 accumulators + 2 weight vectors + a broadcast (<= 15 registers). The 64-column form
 // needs MR x 8 accumulators, which GCC spilled to the stack (a load and a store beside each FMA).
 // The chunk's later passes read it from L1 (kKcF32 rows fill at most 3/4 of it); the first
-// pass issues the prefetches.
+// pass issues the prefetches. Weight-only int8 takes it from one row up (its generic one-row
+// loop widened 16 weights one by one). 768 x 2048 x 12 layers, ms a layer, 2-vCPU Zen 3 (AVX2,
+// no AVX-512), alternating builds, generic 64-column form -> these (with micro_pairs_avx2 and the
+// AVX2 micro_a8): float32 M = 16 9.4-11.4 -> 0.69-0.72 (XLA's dot 0.87-1.03), M = 128 74-77 ->
+// 2.5-3.3 (XLA 3.0-5.3), M = 1 level (0.46-0.48); int8 M = 1 1.2-1.6 -> 0.10, M = 16 8.8-9.2 ->
+// 0.75-0.78, M = 128 63-70 -> 2.8-3.2; w8a8 M = 1 0.17-0.24 -> 0.09-0.10, M = 16 2.3-2.4 ->
+// 0.46-0.55, M = 128 16.4-17.0 -> 3.0-3.4; bfloat16 M = 16 5.0-6.3 -> 0.93-1.07, M = 128 40 ->
+// 6.6-8.4. Float32 at one row through these passes measured level (0.36-0.49): kept generic.
 template <int MR, typename W, int PfLines>
 inline void micro_avx2(const float* const (&xr)[MR], const W* panel, float* y, int64_t ldy, int64_t m0,
                        int64_t kn, bool first, const W* pf, int64_t pf_step) {

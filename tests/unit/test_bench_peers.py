@@ -274,3 +274,23 @@ def test_onnxruntime_optimizer_takes_the_o2_arguments():
 
     params = inspect.signature(optimize_model).parameters
     assert {"model_type", "num_heads", "hidden_size", "opt_level", "use_gpu"} <= set(params)
+
+
+def test_a_second_hosts_generate_results_render_beside_the_default(tmp_path, monkeypatch):
+    # --results-name keeps another host class's run (e.g. without AVX-512) in its own file; the
+    # README section shows each generate_vs_hf*.json with its source line, quick files only in quick mode
+    from benchmarks import common as C
+
+    monkeypatch.setattr(C, "RESULTS_DIR", str(tmp_path))
+    for name in ("generate_vs_hf_avx2.json", "generate_vs_hf_avx2_quick.json", "generate_vs_hf_quick.json",
+                 "generate_vs_hf.json", "generate_vs_hf_prefill.png", "spec_decode.json"):
+        (tmp_path / name).write_text("{}")
+    assert M.generate_variants(quick=False) == ["generate_vs_hf_avx2"]
+    assert M.generate_variants(quick=True) == ["generate_vs_hf_avx2"]
+    rendered = []
+    monkeypatch.setattr(M, "_load", lambda name, quick: ({"benchmark": "generate_vs_hf"}
+                                                         if name.startswith("generate_vs_hf") else None))
+    monkeypatch.setattr(M, "sec_generate", lambda doc, quick, name="generate_vs_hf": rendered.append(name) or [f"## {name}"])
+    text = M.section(quick=False)
+    assert rendered == ["generate_vs_hf", "generate_vs_hf_avx2"] and "## generate_vs_hf_avx2" in text
+    assert '"--results-name"' in inspect.getsource(G.main)     # the benchmark's option writing such a file
