@@ -270,7 +270,8 @@ def sec_generate(g: dict, quick: bool, name: str = "generate_vs_hf") -> list[str
     kv = sorted({r.get("kv_itemsize") for r in g["rows"].values() if isinstance(r, dict) and r.get("kv_itemsize")})
     lc = s.get("llamacpp") or {}
     peers = "llama.cpp and transformers `generate`" if lc and "skipped" not in lc else "transformers `generate`"
-    lines = [(f"### Generation: random '{s['model']}' Llama ({(s.get('params') or 0) / 1e6:.1f} M parameters) "
+    tag = "" if name == "generate_vs_hf" else f" (`{name}`)"
+    lines = [(f"### Generation{tag}: random '{s['model']}' Llama ({(s.get('params') or 0) / 1e6:.1f} M parameters) "
              f"vs {peers} ({_cpu(g)})"), "", _src(name, quick, g), "",
              (f"Prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens forced, greedy; transformers runs in its "
              f"own process in the dtype named in the row. Roofline = min(bandwidth, compute): read bandwidth "

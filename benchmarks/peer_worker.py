@@ -146,9 +146,12 @@ def torch_limits(gib: float = 2.0, repeats: int = 5, matmul: bool = True) -> dic
             m = 4096 if gib >= 1 else 2048
             res["matmul_size"] = m
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-                t = _matmul_times(m, dtype, 3)
-                res[f"torch_matmul_{name}_gflops"] = C.rnd(2 * m ** 3 / min(t) / 1e9, 1)
-                res[f"torch_matmul_{name}_gflops_median"] = C.rnd(2 * m ** 3 / C.median(t) / 1e9, 1)
+                mm = _matmul_size(m, dtype)
+                if mm != m:
+                    res[f"matmul_size_{name}"] = mm
+                t = _matmul_times(mm, dtype, 3)
+                res[f"torch_matmul_{name}_gflops"] = C.rnd(2 * mm ** 3 / min(t) / 1e9, 1)
+                res[f"torch_matmul_{name}_gflops_median"] = C.rnd(2 * mm ** 3 / C.median(t) / 1e9, 1)
     res["cpu"] = w.result
     return res
 
@@ -159,6 +162,23 @@ def _sum_times(n: int, repeats: int) -> list[float]:
 
     x = torch.ones(n, dtype=torch.float32)
     return _probe(lambda: float(x.sum()), repeats)
+
+
+def _matmul_size(m: int, dtype, budget_s: float = 1.0) -> int:
+    """`m`, or a smaller power of two where one m x m matmul would take over `budget_s`: torch's
+    bfloat16 matmul on a CPU without AVX512_BF16 / AMX ran at a few GFLOP/s (a 2-vCPU Zen 3:
+    minutes for the 4096 probe's four calls). Timed from one warm 512 x 512 call."""
+    import torch
+
+    small = 512
+    a = torch.randn(small, small).to(dtype)
+    torch.matmul(a, a)                     # warm: the thread pool's start
+    t0 = time.perf_counter()
+    torch.matmul(a, a)
+    rate = 2 * small ** 3 / max(time.perf_counter() - t0, 1e-9)
+    while m > small and 2 * m ** 3 / rate > budget_s:
+        m //= 2
+    return m
 
 
 def _matmul_times(m: int, dtype, repeats: int) -> list[float]:

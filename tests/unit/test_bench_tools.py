@@ -124,3 +124,11 @@ def test_peer_worker_protocol_replies_one_line_per_command():
     assert replies[0] == {"ok": True, "result": {"n": 2}}
     assert replies[1]["ok"] is False and "no_such_command" in replies[1]["error"]
     assert replies[2] == {"ok": True, "result": {}} and len(replies) == 3     # nothing after quit
+
+
+def test_matmul_probe_shrinks_where_the_dtype_is_slow():
+    # the compute probe's size follows one small call's rate: a dtype the CPU has no instructions
+    # for (torch bfloat16 without AVX512_BF16 / AMX: ~1 GFLOP/s) would take minutes at 4096
+    torch = pytest.importorskip("torch")
+    assert peer_worker._matmul_size(4096, torch.float32, budget_s=1e9) == 4096
+    assert peer_worker._matmul_size(4096, torch.float32, budget_s=0.0) == 512
