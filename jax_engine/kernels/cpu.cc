@@ -191,14 +191,6 @@ __attribute__((always_inline)) inline void prefetch_row(const W* row) {
   for (int64_t l = 0; l < kLines; ++l) __builtin_prefetch(row + l * int64_t(64 / sizeof(W)), 0, 2);
 }
 
-// y[m0:m0+MR, tile] (+)= x[m0:m0+MR, 0:kn] @ panel[0:kn, :] (the panel: 64 columns, row-major;
-// x rows have stride K). `first` starts from zero instead of accumulating into y.
-// pf (or null): what to prefetch into L2 as this chunk is read. pf_step 0: the same rows of the
-// panel's next K chunk (row k's 64 weights at step k); otherwise PfLines cache lines from
-// pf + k pf_step at step k (do_panel's spread form).
-#ifndef XLASERVE_AVX2_MIN_ROWS
-#define XLASERVE_AVX2_MIN_ROWS 2
-#endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
@@ -249,11 +241,16 @@ inline void micro_avx2(const float* const (&xr)[MR], const W* panel, float* y, i
 }
 #endif
 
+// y[m0:m0+MR, tile] (+)= x[m0:m0+MR, 0:kn] @ panel[0:kn, :] (the panel: 64 columns, row-major;
+// x rows have stride K). `first` starts from zero instead of accumulating into y.
+// pf (or null): what to prefetch into L2 as this chunk is read. pf_step 0: the same rows of the
+// panel's next K chunk (row k's 64 weights at step k); otherwise PfLines cache lines from
+// pf + k pf_step at step k (do_panel's spread form).
 template <int MR, typename W = float, int PfLines = 2>
 inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
                   int64_t kn, bool first, const W* pf = nullptr, int64_t pf_step = 0) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (MR >= XLASERVE_AVX2_MIN_ROWS || !std::is_same_v<W, float>) {
+  if constexpr (MR >= 2 || !std::is_same_v<W, float>) {
     const float* rows[MR];
     for (int m = 0; m < MR; ++m) rows[m] = x + (m0 + m) * K;
     micro_avx2<MR, W, PfLines>(rows, panel, y, ldy, m0, kn, first, pf, pf_step);
