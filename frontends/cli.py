@@ -188,6 +188,9 @@ def serve_parser(prog: str = "xlaserve serve") -> argparse.ArgumentParser:
         help="layer matmuls on CPU, decoders and encoders: auto (times XLA's dot and the packed-panel C++ kernel "
              "per matrix and row class at first start, keeps the faster; cached), xla, kernel, blas (numpy's "
              "OpenBLAS, float32, decoders); refused where they cannot run")
+    opt(m, "--huge-pages", default="on", choices=["on", "off"],
+        help="CPU: put each decoder's weights on 2 MiB pages (Linux transparent huge pages, MADV_COLLAPSE) "
+             "once loaded; batch-1 decode streams them faster")
 
     lo = p.add_argument_group("LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors)")
     lo.add_argument("--lora", action="append", metavar="NAME=PATH", default=None,
@@ -381,6 +384,7 @@ def engine_args(ns: argparse.Namespace):
         itl_p99_ratio=ns.itl_p99_ratio,
         max_waiting_requests=ns.max_waiting_requests, enable_prefix_cache=ns.enable_prefix_cache,
         compile_cache_dir=ns.compile_cache_dir, attention_backend=ns.attention_backend, cpu_matmul=ns.cpu_matmul,
+        huge_pages=ns.huge_pages == "on",
         max_prompt_tokens=ns.max_prompt_tokens,
         max_new_tokens_limit=ns.max_new_tokens_limit, max_n=ns.max_n, max_top_logprobs=ns.max_top_logprobs,
         max_stop_strings=ns.max_stop_strings, max_stop_string_len=ns.max_stop_string_len,

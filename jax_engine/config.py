@@ -59,6 +59,7 @@ class EngineArgs:
     compile_cache_dir: Optional[str] = None
     attention_backend: str = "auto"           # auto | reference | pallas (jax_engine/attention/__init__.py)
     cpu_matmul: str = "auto"                  # auto (measure on CPU, jax_engine/kernels/choose.py) | xla | kernel | blas
+    huge_pages: bool = True                   # CPU: decoder weights onto 2 MiB pages (executor/huge_pages.py)
     # limits enforced at admission
     max_prompt_tokens: Optional[int] = None   # None = the model's context
     max_new_tokens_limit: int = 4096

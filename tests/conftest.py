@@ -35,6 +35,11 @@ os.environ.setdefault("XLASERVE_PROGRESS", "0")
 # servers and scripts the tests start inherit it.
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
+# ... and LLVM at optimisation level 1 instead of 2 for the programs it compiles: the same demo
+# engine's load and warmup (every step bucket) 34.1 -> 25.0 s on a 2-vCPU Zen 3, its 200 greedy
+# tokens identical and no slower (0.90 -> 0.53 s); level 0 took 21.1 s but decoded 3x slower.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"] + " --xla_backend_optimization_level=1"
 
 
 # =============================================================================================

@@ -83,7 +83,7 @@ from tqdm import tqdm
 from jax_engine import attention
 from jax_engine.decode import sampling
 from jax_engine.decode.rows import SampleRow, SamplingRow, StepRow
-from jax_engine.executor import backend
+from jax_engine.executor import backend, huge_pages
 from jax_engine.executor.compilation import FlatState, ProgramCache
 from jax_engine.executor.program_store import stable_repr
 from jax_engine.lora import bank as lora_bank
@@ -227,6 +227,7 @@ class RunnerConfig:
     spec_tokens: int = 0        # most proposed tokens per row (speculative decoding; 0 = off, no spec programs)
     burst_tokens: int = 0       # the step's budget under a backlog of prompts (> max_batched_tokens; 0 = off)
     burst_fine: bool = False    # x1.25 token buckets above the budget (the latency guard's steps)
+    huge_pages: bool = False    # CPU: collapse the weights onto 2 MiB pages (executor/huge_pages.py)
 
 
 class StepPublisher(Protocol):
@@ -270,6 +271,9 @@ class ModelRunner:
         if mesh is not None:
             self.params = jax.device_put(self.params, decoder.shardings(self.params, mesh))
         self.flat = FlatState.of(self.params)      # what the programs take (FlatState: why)
+        # a batch-1 step streams every weight once; on 2 MiB pages it streams faster (huge_pages.py)
+        self.huge_pages: Optional[huge_pages.HugePageReport] = (
+            huge_pages.advise(self.flat.leaves) if rc.huge_pages and backend.platform() == "cpu" else None)
         self.mirror: Optional[tuple[StepPublisher, str]] = None     # (channel, key) on process 0 of a slice
         self.dtype = dtype
         # every running row decodes in every step, so the budget is never below the row count

@@ -157,7 +157,7 @@ class GenerateWorker:
                               page_bucket_ratio=max(2, args.page_bucket_ratio),
                               lora_slots=args.max_loras if lora_on else 0, lora_rank=args.max_lora_rank,
                               spec_tokens=spec_k, burst_tokens=spec.burst_batched_tokens,
-                              burst_fine=guard_on)
+                              burst_fine=guard_on, huge_pages=args.huge_pages)
             rc.num_pages = spec.num_pages or self._auto_pages(rc)
             runner = ModelRunner(self.cfg, model, rc, mesh, self.dtype)
             self.local_runners[f"{spec.name}/{r}"] = runner

@@ -203,14 +203,13 @@ inline v8 load_w8(const int8_t* p) {
 // MR x 2 accumulators + 2 weight vectors + a broadcast (<= 15 registers). The 64-column form
 // needs MR x 8 accumulators, which GCC spilled to the stack (a load and a store beside each FMA).
 // The chunk's later passes read it from L1 (kKcF32 rows fill at most 3/4 of it); the first
-// pass issues the prefetches. Weight-only int8 takes it from one row up (its generic one-row
-// loop widened 16 weights one by one). 768 x 2048 x 12 layers, ms a layer, 2-vCPU Zen 3 (AVX2,
-// no AVX-512), alternating builds, generic 64-column form -> these (with micro_pairs_avx2 and the
-// AVX2 micro_a8): float32 M = 16 9.4-11.4 -> 0.69-0.72 (XLA's dot 0.87-1.03), M = 128 74-77 ->
-// 2.5-3.3 (XLA 3.0-5.3), M = 1 level (0.46-0.48); int8 M = 1 1.2-1.6 -> 0.10, M = 16 8.8-9.2 ->
-// 0.75-0.78, M = 128 63-70 -> 2.8-3.2; w8a8 M = 1 0.17-0.24 -> 0.09-0.10, M = 16 2.3-2.4 ->
-// 0.46-0.55, M = 128 16.4-17.0 -> 3.0-3.4; bfloat16 M = 16 5.0-6.3 -> 0.93-1.07, M = 128 40 ->
-// 6.6-8.4. Float32 at one row through these passes measured level (0.36-0.49): kept generic.
+// pass issues the prefetches. 768 x 2048 x 12 layers, ms a layer, 2-vCPU Zen 3 (AVX2, no
+// AVX-512), alternating builds, generic 64-column form -> these (with micro_pairs_avx2 and the
+// AVX2 micro_a8; int8 at one row through these passes then, micro1_avx2 now): float32 M = 16
+// 9.4-11.4 -> 0.69-0.72 (XLA's dot 0.87-1.03), M = 128 74-77 -> 2.5-3.3 (XLA 3.0-5.3); int8
+// M = 1 1.2-1.6 -> 0.10, M = 16 8.8-9.2 -> 0.75-0.78, M = 128 63-70 -> 2.8-3.2; w8a8 M = 1
+// 0.17-0.24 -> 0.09-0.10, M = 16 2.3-2.4 -> 0.46-0.55, M = 128 16.4-17.0 -> 3.0-3.4; bfloat16
+// M = 16 5.0-6.3 -> 0.93-1.07, M = 128 40 -> 6.6-8.4. One row: micro1_avx2 (below).
 template <int MR, typename W, int PfLines>
 inline void micro_avx2(const float* const (&xr)[MR], const W* panel, float* y, int64_t ldy, int64_t m0,
                        int64_t kn, bool first, const W* pf, int64_t pf_step) {
@@ -239,6 +238,33 @@ inline void micro_avx2(const float* const (&xr)[MR], const W* panel, float* y, i
       for (int h = 0; h < 2; ++h) *reinterpret_cast<v8u*>(y + (m0 + m) * ldy + 16 * q + 8 * h) = acc[m][h];
   }
 }
+
+// micro() for one row on AVX2: the 64-column weight row as 8 ymm accumulators, one broadcast of
+// x a K step (the batch-1 decode path). Float32: GCC lowers the generic loop's 64-byte vectors on
+// an AVX2-only target through the stack (x's broadcast built by 16 scalar stores, accumulators
+// shuffled through memory each step): it streamed the weights at ~7 GB/s where a plain read loop
+// reaches ~14. Int8: micro_avx2's 16-column passes carry 2 accumulators each, so one row waited
+// on the FMA latency (4 passes x ~5 cycles a 64-byte row). 768 x 2048, single thread, ms a layer,
+// medians of 9, 2-vCPU Zen 3 with a test run on the other core: float32 (12 layers) generic
+// 0.85-1.02 -> 0.45 (0.37-0.40 with the weights on 2 MiB pages); int8 (48 layers) passes
+// 0.20-0.26 -> 0.15-0.17.
+template <typename W, int PfLines>
+inline void micro1_avx2(const float* x, const W* panel, float* y, int64_t kn, bool first, const W* pf,
+                        int64_t pf_step) {
+  __m256 acc[8];
+  for (int v = 0; v < 8; ++v) acc[v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + 8 * v);
+  for (int64_t k = 0; k < kn; ++k) {
+    if (pf_step == 0) {
+      prefetch_row<kTile>(pf ? pf + k * kTile : pf);
+    } else if (pf != nullptr) {
+      for (int l = 0; l < PfLines; ++l) __builtin_prefetch(pf + k * pf_step + l * int64_t(64 / sizeof(W)), 0, 2);
+    }
+    const W* row = panel + k * kTile;
+    const __m256 xv = _mm256_broadcast_ss(x + k);
+    for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(reinterpret_cast<__m256>(load_w8(row + 8 * v)), xv, acc[v]);
+  }
+  for (int v = 0; v < 8; ++v) _mm256_storeu_ps(y + 8 * v, acc[v]);
+}
 #endif
 
 // y[m0:m0+MR, tile] (+)= x[m0:m0+MR, 0:kn] @ panel[0:kn, :] (the panel: 64 columns, row-major;
@@ -250,10 +276,13 @@ template <int MR, typename W = float, int PfLines = 2>
 inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t ldy, int64_t m0,
                   int64_t kn, bool first, const W* pf = nullptr, int64_t pf_step = 0) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (MR >= 2 || !std::is_same_v<W, float>) {
+  if constexpr (MR >= 2) {
     const float* rows[MR];
     for (int m = 0; m < MR; ++m) rows[m] = x + (m0 + m) * K;
     micro_avx2<MR, W, PfLines>(rows, panel, y, ldy, m0, kn, first, pf, pf_step);
+    return;
+  } else {
+    micro1_avx2<W, PfLines>(x + m0 * K, panel, y + m0 * ldy, kn, first, pf, pf_step);
     return;
   }
 #endif

@@ -63,7 +63,9 @@ def test_l1d_size_from_sysfs_keys_the_build(tmp_path):
 
 @pytest.mark.parametrize("M,K_,N,L", [(1, 64, 64, 1), (5, 3, 100, 2), (16, 300, 1287, 3), (33, 96, 64 * 3 + 1, 1),
                                       (7, 1, 5, 1), (400, 20, 130, 2),       # M > 384: row chunks
-                                      (160, 2048, 70, 1)])   # K 2048: the row cap is 72 (float_row_cap)
+                                      (160, 2048, 70, 1),    # K 2048: the row cap is 72 (float_row_cap)
+                                      (1, 300, 200, 2),      # one row over several K chunks (AVX2: micro1_avx2)
+                                      (13, 200, 70, 1)])     # a last block of one row with a prefetch stream
 def test_gemm_matches_numpy(M, K_, N, L):
     rng = np.random.default_rng(M * 1000 + N)
     w = rng.standard_normal((L, K_, N), dtype=np.float32)
@@ -197,11 +199,12 @@ def test_glu_rounds_as_torch_does_on_bfloat16(act):
         K.glu(jnp.zeros((M, 3, inter), jnp.float32), act)
 
 
-def test_int8_gemm_matches_numpy():
+@pytest.mark.parametrize("K_", [96, 300])      # 300: several K chunks (kKc 128) accumulate into one row
+def test_int8_gemm_matches_numpy(K_):
     from jax_engine.models.llama_weights import quantize_int8
 
     rng = np.random.default_rng(11)
-    L, K_, N = 2, 96, 200
+    L, N = 2, 200
     w = rng.standard_normal((L, K_, N), dtype=np.float32)
     q, s = zip(*(quantize_int8(w[i], (0,)) for i in range(L)))            # per-output-column scales [1, N]
     weight = {"q": jnp.asarray(np.stack(q)), "s": jnp.asarray(np.stack(s))}

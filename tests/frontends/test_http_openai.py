@@ -5,14 +5,13 @@ import base64
 import contextlib
 import json
 import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 
 from tests.helpers.engines import engine_greedy
-from tests.helpers.shared import EMBED, GEN, HTTP_API_KEY, wait_for
+from tests.helpers.shared import EMBED, GEN, HTTP_API_KEY, hold_requests_open, wait_for
 
 PROMPT_IDS = [1, 40, 41, 42, 43, 44, 45, 46]
 CHAT = [{"role": "user", "content": "hello world"}]
@@ -334,15 +333,8 @@ def test_stream_client_disconnect_aborts_the_request(http_url, serving_engine):
 
 
 def test_non_stream_client_disconnect_aborts_the_request(http_url, serving_engine, monkeypatch):
-    # every step of the tiny generator made >= 5 ms, so 240 tokens take >= 1.2 s and the request is
-    # still running when the client gives up at 0.3 s, however fast this host is
-    runner = serving_engine.worker(GEN).replicas[0].runner
-    step = runner.step
-
-    def slow_step(*a, **k):
-        time.sleep(0.005)
-        return step(*a, **k)
-    monkeypatch.setattr(runner, "step", slow_step)
+    # the request is still running when the client gives up at 0.3 s (hold_requests_open)
+    hold_requests_open(serving_engine, GEN, monkeypatch)
     before = serving_engine.counters.snapshot()
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{http_url}/v1/completions", json={"prompt": "hello", "max_tokens": 240, "ignore_eos": True},

@@ -6,13 +6,12 @@ Every test on the real engine also checks that nothing compiled after warmup.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers.shared import GEN, wait_for
+from tests.helpers.shared import GEN, hold_requests_open, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -212,19 +211,9 @@ def test_unknown_model_is_404(oai):
 
 
 def test_stream_disconnect_aborts_the_request(http_url, serving_engine, monkeypatch):
-    # The request must still be running when the hang-up is seen: the Responses API samples at
-    # temperature 1 and has no ignore_eos, so the random generator could draw EOS after a few
-    # tokens and complete first (seen once in a full run on a loaded 2-vCPU host). EOS off and
-    # >= 5 ms a step: 240 tokens take >= 1.2 s, however fast the host (as the completions test).
-    for sched in serving_engine.worker(GEN).replicas:
-        monkeypatch.setattr(sched, "eos_ids", set())
-    runner = serving_engine.worker(GEN).replicas[0].runner
-    step = runner.step
-
-    def slow_step(*a, **k):
-        time.sleep(0.005)
-        return step(*a, **k)
-    monkeypatch.setattr(runner, "step", slow_step)
+    # the request must still be running when the hang-up is seen: the Responses API samples at
+    # temperature 1 and has no ignore_eos (hold_requests_open: why)
+    hold_requests_open(serving_engine, GEN, monkeypatch)
     before = serving_engine.counters.snapshot()
 
     def settled() -> bool:

@@ -35,6 +35,21 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: flo
     return predicate()
 
 
+def hold_requests_open(engine: Any, model: str, monkeypatch: Any, step_s: float = 0.005) -> None:
+    """Make `model`'s requests last: its schedulers see no EOS and every step takes >= `step_s`,
+    so a 240-token request runs >= 1.2 s however fast the host, and a test that hangs up early
+    finds it still running (a sampled request could otherwise draw EOS and complete first)."""
+    for sched in engine.worker(model).replicas:
+        monkeypatch.setattr(sched, "eos_ids", set())
+        runner = sched.runner
+        step = runner.step
+
+        def slow_step(*a: Any, _step: Callable[..., Any] = step, **k: Any) -> Any:
+            time.sleep(step_s)
+            return _step(*a, **k)
+        monkeypatch.setattr(runner, "step", slow_step)
+
+
 def xlaserve() -> list[str]:
     script = Path(sys.executable).parent / "xlaserve"
     return [str(script)] if script.exists() else [sys.executable, "-m", "frontends.cli"]
