@@ -35,9 +35,11 @@ os.environ.setdefault("XLASERVE_PROGRESS", "0")
 # servers and scripts the tests start inherit it.
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
-# ... and LLVM at optimisation level 1 instead of 2 for the programs it compiles: the same demo
-# engine's load and warmup (every step bucket) 34.1 -> 25.0 s on a 2-vCPU Zen 3, its 200 greedy
-# tokens identical and no slower (0.90 -> 0.53 s); level 0 took 21.1 s but decoded 3x slower.
+# ... and LLVM at optimisation level 1 instead of 2: the same demo engine's load and warmup (every
+# step bucket), alternating runs on a noisy 2-vCPU Zen 3, 25.0-34.1 s at level 2 against 24.1-34.5
+# s at 1 (means 30.3 and 27.5 s), its 200 greedy tokens identical and decoded no slower. Level 0
+# compiles faster still but decodes 3x slower: only for the multi-device subprocesses, which
+# compile much and run little (tests/helpers/shared.fast_compile_xla_flags).
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"] + " --xla_backend_optimization_level=1"
 

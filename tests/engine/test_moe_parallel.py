@@ -88,7 +88,9 @@ def test_ep_flag_reaches_engine_args(tmp_path):
 # the subprocess
 # =============================================================================================
 def _child() -> None:
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+    from tests.helpers.shared import fast_compile_xla_flags
+
+    os.environ["XLA_FLAGS"] = fast_compile_xla_flags(f"--xla_force_host_platform_device_count={DEVICES}")
     os.environ["XLASERVE_PROGRESS"] = "0"
     import asyncio
     import tempfile

@@ -22,7 +22,7 @@ from jax_engine.decode.runner import MIRRORED, mirrored
 from jax_engine.engine import Engine
 from tests.helpers import hf_models
 from tests.helpers.engines import PROMPTS, greedy_all, small_args
-from tests.helpers.shared import wait_for, xlaserve
+from tests.helpers.shared import fast_compile_xla_flags, wait_for, xlaserve
 
 NEW_TOKENS = 12
 FLAGS = ["--max-running-requests", "4", "--max-num-batched-tokens", "16", "--max-model-len", "128",
@@ -74,7 +74,7 @@ def test_two_processes_form_one_tp2_mesh_and_match_one_process(model_path, tmp_p
     assert expected == expected_hf
 
     env = dict(os.environ, XLASERVE_PROGRESS="0", JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path),
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1")
+               XLA_FLAGS=fast_compile_xla_flags("--xla_force_host_platform_device_count=1"))
     coord = f"127.0.0.1:{_free_port()}"
     common = ["serve", "--model", f"m={path}", "--tp", "2", "--coordinator-address", coord,
               "--num-processes", "2", "--grpc-port", "0", "--http-port", "0", *FLAGS]

@@ -7,7 +7,9 @@ import os
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+from tests.helpers.shared import fast_compile_xla_flags  # imports no jax
+
+os.environ["XLA_FLAGS"] = fast_compile_xla_flags("--xla_force_host_platform_device_count=4")
 os.environ["XLASERVE_PROGRESS"] = "0"
 
 from jax_engine.config import ModelSpec  # noqa: E402
