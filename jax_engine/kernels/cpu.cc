@@ -191,6 +191,18 @@ __attribute__((always_inline)) inline void prefetch_row(const W* row) {
   for (int64_t l = 0; l < kLines; ++l) __builtin_prefetch(row + l * int64_t(64 / sizeof(W)), 0, 2);
 }
 
+// A micro-kernel's prefetch at K step k (see micro): pf_step 0, the row of the panel's next chunk
+// (the burst form); otherwise PfLines cache lines from pf + k pf_step (do_panel's spread form);
+// nothing for a null pf.
+template <int PfLines, typename W>
+__attribute__((always_inline)) inline void prefetch_step(const W* pf, int64_t pf_step, int64_t k) {
+  if (pf_step == 0) {
+    prefetch_row<kTile>(pf ? pf + k * kTile : pf);
+  } else if (pf != nullptr) {
+    for (int l = 0; l < PfLines; ++l) __builtin_prefetch(pf + k * pf_step + l * int64_t(64 / sizeof(W)), 0, 2);
+  }
+}
+
 #if defined(__AVX2__) && !defined(__AVX512F__)
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
@@ -219,13 +231,7 @@ inline void micro_avx2(const float* const (&xr)[MR], const W* panel, float* y, i
       for (int h = 0; h < 2; ++h)
         acc[m][h] = first ? v8{} : *reinterpret_cast<const v8u*>(y + (m0 + m) * ldy + 16 * q + 8 * h);
     for (int64_t k = 0; k < kn; ++k) {
-      if (q == 0) {
-        if (pf_step == 0) {
-          prefetch_row<kTile>(pf ? pf + k * kTile : pf);
-        } else if (pf != nullptr) {
-          for (int l = 0; l < PfLines; ++l) __builtin_prefetch(pf + k * pf_step + l * int64_t(64 / sizeof(W)), 0, 2);
-        }
-      }
+      if (q == 0) prefetch_step<PfLines>(pf, pf_step, k);
       const W* row = panel + k * kTile + 16 * q;
       const v8 w0 = load_w8(row), w1 = load_w8(row + 8);
       for (int m = 0; m < MR; ++m) {
@@ -254,11 +260,7 @@ inline void micro1_avx2(const float* x, const W* panel, float* y, int64_t kn, bo
   __m256 acc[8];
   for (int v = 0; v < 8; ++v) acc[v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + 8 * v);
   for (int64_t k = 0; k < kn; ++k) {
-    if (pf_step == 0) {
-      prefetch_row<kTile>(pf ? pf + k * kTile : pf);
-    } else if (pf != nullptr) {
-      for (int l = 0; l < PfLines; ++l) __builtin_prefetch(pf + k * pf_step + l * int64_t(64 / sizeof(W)), 0, 2);
-    }
+    prefetch_step<PfLines>(pf, pf_step, k);
     const W* row = panel + k * kTile;
     const __m256 xv = _mm256_broadcast_ss(x + k);
     for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(reinterpret_cast<__m256>(load_w8(row + 8 * v)), xv, acc[v]);
@@ -293,11 +295,7 @@ inline void micro(const float* x, const W* panel, float* y, int64_t K, int64_t l
   for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + m) * K;
   for (int64_t k = 0; k < kn; ++k) {
     const W* row = panel + k * kTile;
-    if (pf_step == 0) {
-      prefetch_row<kTile>(pf ? pf + k * kTile : pf);
-    } else if (pf != nullptr) {
-      for (int l = 0; l < PfLines; ++l) __builtin_prefetch(pf + k * pf_step + l * int64_t(64 / sizeof(W)), 0, 2);
-    }
+    prefetch_step<PfLines>(pf, pf_step, k);
     v16 wv[kVec];
     for (int v = 0; v < kVec; ++v) wv[v] = load_w(row + 16 * v);
     for (int m = 0; m < MR; ++m) {
