@@ -1292,14 +1292,16 @@ inline float hmax(v16 v) {
 // exp on 16 lanes: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two constants),
 // p the degree-7 Taylor polynomial of e^r on |r| <= ln(2)/2 (relative error ~1e-7). x is clamped
 // to [-87, 88]: exp of a masked score (-1e30) gives ~1e-38 where expf gives 0.
-inline v16 vexp(v16 x) {
-  x = x < -87.0f ? v16{} - 87.0f : x;
-  x = x > 88.0f ? v16{} + 88.0f : x;
-  const v16 t = x * 1.44269504088896341f;
-  const v16i ni = __builtin_convertvector(t + (t >= 0.0f ? v16{} + 0.5f : v16{} - 0.5f), v16i);
-  const v16 n = __builtin_convertvector(ni, v16);
-  const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  v16 p = v16{} + 1.0f / 5040.0f;
+// (V, VI: a float vector type and the int vector of its width; vexp is the 16-lane form.)
+template <typename V, typename VI>
+inline V vexp_t(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 88.0f ? V{} + 88.0f : x;
+  const V t = x * 1.44269504088896341f;
+  const VI ni = __builtin_convertvector(t + (t >= 0.0f ? V{} + 0.5f : V{} - 0.5f), VI);
+  const V n = __builtin_convertvector(ni, V);
+  const V r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  V p = V{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -1307,9 +1309,10 @@ inline v16 vexp(v16 x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const v16i bits = (ni + 127) << 23;                 // 2^n as a float's bit pattern
-  return p * reinterpret_cast<v16>(bits);
+  const VI bits = (ni + 127) << 23;                   // 2^n as a float's bit pattern
+  return p * reinterpret_cast<V>(bits);
 }
+inline v16 vexp(v16 x) { return vexp_t<v16, v16i>(x); }
 
 inline float dot(const float* a, const float* b, int64_t D) {
   v16 acc = v16{};
@@ -1398,6 +1401,12 @@ inline void pv_nv(int nv, const float* p, int64_t n, const int64_t* slot_of, con
   }
 }
 
+#if !(defined(__AVX2__) && !defined(__AVX512F__))
+// out[kk] = scale * (q . k[kk]) for a chunk of 16 keys (kp as score16's).
+inline void score_chunk(const float* qr, const float* const* kp, int64_t D, float scale, float* out) {
+  store16(out, score16(qr, kp, D) * scale);
+}
+
 // o[r] = sum over keys j < cnt of p[r * n + j] * v[j] for r rows (<= 4) and nv vectors of 16
 // columns (<= 4); n is the row stride of p (cnt = n: every key).
 inline void pv_dispatch(int r, int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv,
@@ -1435,6 +1444,129 @@ inline void softmax_row(float* sr, int64_t n) {
   const float inv = 1.f / sum;
   for (j = 0; j < n; ++j) sr[j] *= inv;
 }
+#else
+// AVX2-only builds: the same three helpers on 8-lane vectors. GCC lowers the 16-lane forms above
+// through the stack on such a target: score16's 16 accumulators are 32 ymm registers, fold16's
+// two-source shuffles and hsum / hmax are permutes of 64-byte vectors, pv_rows' 4 x 4
+// accumulators 32 more (the compiled decode attention had ~7,500 of its ~12,700 instructions
+// touching the stack). The decode kernel alone, 12 layers of 16 rows x 200 keys on scattered
+// 16-slot pages (4 KV heads of 64, 3 query heads each; 79 MB of K and V), 2-vCPU Zen 3, ms a
+// step: 18.7-21.7 -> 6.5-7.3 (one row: 1.29 -> 0.39); the 'small' float32 model's batch-16
+// decode step (128-token prompts) 62-67 -> 47-54 ms p50. What is left is memory: with the
+// scoring or the P V loop removed the other ran at ~8 GB/s on one core, its loads and prefetches
+// the stalled instructions (a P V that walks the keys chunk by chunk instead of head by head, or
+// no software prefetch, measured the same).
+typedef int v8i __attribute__((vector_size(32)));
+
+// lane k = the sum of p[k]'s 8 lanes (three rounds of pairwise horizontal adds, then the two
+// 128-bit halves added)
+inline __m256 fold8(const __m256 (&p)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
+  const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The 8 scores q . k[kk] (kk < 8), the dimension loop outside the key loop as score16's: 8
+// independent FMA chains, each key's weights read straight into its FMA.
+inline __m256 score8(const float* qr, const float* const* kp, int64_t D) {
+  __m256 part[8];
+  for (int kk = 0; kk < 8; ++kk) part[kk] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(qr + d);
+    for (int kk = 0; kk < 8; ++kk) part[kk] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[kk] + d), part[kk]);
+  }
+  return fold8(part);
+}
+
+inline void score_chunk(const float* qr, const float* const* kp, int64_t D, float scale, float* out) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  _mm256_storeu_ps(out, _mm256_mul_ps(score8(qr, kp, D), sc));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(score8(qr, kp + 8, D), sc));
+}
+
+// o[r, 0:8 NV] = sum_j p[r, j] v_j as pv_rows, NV ymm columns per row: R x NV accumulators, NV
+// loaded values and a broadcast stay within the 16 registers for the (R, NV) pv_dispatch uses.
+template <int R, int NV>
+inline void pv_rows8(const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
+                     int64_t ldo, int64_t cnt) {
+  __m256 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < cnt; ++j) {
+    if (slot_of[j] < 0) continue;
+    const float* vr = vb + slot_of[j] * ldv;
+    __m256 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = _mm256_loadu_ps(vr + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(p + r * n + j);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(x[v], a, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + r * ldo + 8 * v, acc[r][v]);
+}
+
+template <int R>
+inline void pv_passes(int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv,
+                      float* o, int64_t ldo, int64_t cnt) {
+  constexpr int kStep = R <= 2 ? 4 : 2;                  // ymm columns a pass: 32 for 1-2 rows, 16 for 3-4
+  for (int c = 0; c < 2 * nv; c += kStep) {
+    if (2 * nv - c >= kStep)
+      pv_rows8<R, kStep>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
+    else
+      pv_rows8<R, 2>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
+  }
+}
+
+// pv_dispatch's contract (r <= 4 rows, nv <= 4 vectors of 16 columns), as passes of pv_rows8.
+inline void pv_dispatch(int r, int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv,
+                        float* o, int64_t ldo, int64_t cnt) {
+  switch (r) {
+    case 1: pv_passes<1>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 2: pv_passes<2>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 3: pv_passes<3>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    default: pv_passes<4>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+  }
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// softmax_row on 8-lane vectors (vexp_t at 8 lanes; the sum kept in a vector until the end).
+inline void softmax_row(float* sr, int64_t n) {
+  float mx = sr[0];
+  int64_t j = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(sr);
+    for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sr + j));
+    mx = hmax8(m);
+  }
+  for (; j < n; ++j) mx = std::max(mx, sr[j]);
+  __m256 vsum = _mm256_setzero_ps();
+  j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 e = vexp_t<v8, v8i>(*reinterpret_cast<const v8u*>(sr + j) - mx);
+    *reinterpret_cast<v8u*>(sr + j) = e;
+    vsum = _mm256_add_ps(vsum, reinterpret_cast<__m256>(e));
+  }
+  float sum = hsum8(vsum);
+  for (; j < n; ++j) { sr[j] = std::exp(sr[j] - mx); sum += sr[j]; }
+  const float inv = 1.f / sum;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(sr + j, _mm256_mul_ps(_mm256_loadu_ps(sr + j), vinv));
+  for (; j < n; ++j) sr[j] *= inv;
+}
+#endif
 
 // The largest run of consecutive tokens the grouped path takes together (see GroupAttention).
 constexpr int64_t kGroup = 8;
@@ -1492,7 +1624,8 @@ void GroupAttention(const float* qp, const float* kl, const float* vl, const int
           kp[kk] = kk < e && slot_of[j0 + kk] >= 0 ? kl + (slot_of[j0 + kk] * H + h0 + hh) * D : kZeroKey;
         for (int64_t g = 0; g < G; ++g) {
           const float* qr = qp + (((b0 + t) * H + h0 + hh) * G + g) * D;
-          const v16 sums = score16(qr, kp, D) * scale;
+          float sums[16];
+          score_chunk(qr, kp, D, scale, sums);
           float* sr = s.data() + ((t * nh + hh) * G + g) * n + j0;
           for (int64_t kk = 0; kk < e; ++kk)
             sr[kk] = (slot_of[j0 + kk] < 0 || j0 + kk < f) ? -1e30f : sums[kk];
@@ -1616,7 +1749,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, Rank4 q, Rank4 kc, Rank4 vc
             kp[kk] = kk < cnt && slot_of[j0 + kk] >= 0 ? kl + (slot_of[j0 + kk] * H + h0 + hh) * D : kZeroKey;
           for (int64_t g = 0; g < G; ++g) {
             const float* qr = qb + (hh * G + g) * D;
-            const v16 sums = score16(qr, kp, D) * scale;
+            float sums[16];
+            score_chunk(qr, kp, D, scale, sums);
             float* sr = s.data() + (hh * G + g) * n + j0;
             for (int64_t kk = 0; kk < cnt; ++kk) sr[kk] = slot_of[j0 + kk] < 0 ? -1e30f : sums[kk];
           }
