@@ -225,14 +225,17 @@ def test_w8a8_gemm_quantizes_rows_and_sums_exactly():
     the same arithmetic (reference_gemm) and XLA's path (llama.linear with a8), which feed the same
     integers to exact sums, so the results agree to the last float32 multiply; and within the two
     quantizations' error of the float product. Shapes: K not a multiple of 4 (a zero-padded quad),
-    K past one 64-quad pass with more than 6 rows, a ragged last panel, rows across register tiles,
-    a zero row (scale 0: zeros), the live-row operand (padding rows zeros)."""
+    K past one 64-quad pass with more than 6 rows and with one row, a ragged last panel, rows across
+    register tiles, a zero row (scale 0: zeros), the live-row operand (padding rows zeros), every
+    weight and input at +-127 (the largest pair sums of the AVX2 one-row loop's int16 products)."""
     from jax_engine.models.llama import linear
     from jax_engine.models.llama_weights import quantize_int8
 
     rng = np.random.default_rng(21)
-    for L, K_, N, Ms in ((2, 96, 200, (1, 5, 7, 16)), (1, 301, 64, (3, 13, 200))):
+    for L, K_, N, Ms in ((2, 96, 200, (1, 5, 7, 16)), (1, 301, 64, (1, 3, 13, 200)), (1, 260, 70, (1, 2))):
         w = rng.standard_normal((L, K_, N), dtype=np.float32)
+        if K_ == 260:   # every weight and input at +-127 after quantizing: the largest int16 pair sums
+            w = np.sign(w) + np.float32(0)
         q, s = (np.stack(a) for a in zip(*(quantize_int8(w[i], (0,)) for i in range(L))))
         packed = K.pack({"q": jnp.asarray(q), "s": jnp.asarray(s)}, 1, stacked=True, a8=True)
         assert packed["q"].dtype == jnp.uint8 and packed["q"].shape == K.packed_shape((L,), K_, N, jnp.uint8)
@@ -240,14 +243,17 @@ def test_w8a8_gemm_quantizes_rows_and_sums_exactly():
         assert int(packed["q"][L - 1, 0, 2, 4 * 5 + 3]) == int(q[L - 1, 11, 5]) + 128
         for M in Ms:
             x = rng.standard_normal((M, K_), dtype=np.float32) * rng.uniform(0.1, 10, (M, 1)).astype(np.float32)
-            x[M // 2] = 0.0
+            if K_ == 260:
+                x = np.sign(x) * np.float32(3)
+            if M > 1:       # one row stays nonzero
+                x[M // 2] = 0.0
             for li in range(L):
                 got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(jnp.asarray(x), packed))
                 np.testing.assert_allclose(got, K.reference_gemm(x, packed, li, N), rtol=1e-6, atol=0)
                 xla = np.asarray(jax.jit(lambda x, w: linear(x, w, "mk,kn->mn", 1))(
                     jnp.asarray(x), {"q": jnp.asarray(q[li]), "s": jnp.asarray(s[li])}))
                 np.testing.assert_allclose(got, xla, rtol=1e-6, atol=0)
-                assert not got[M // 2].any()
+                assert M == 1 or not got[M // 2].any()
                 want = x.astype(np.float64) @ (q[li].astype(np.float64) * s[li])
                 scale = np.abs(x).max(1, keepdims=True) * np.abs(q[li] * s[li]).sum(0) / 127
                 assert np.all(np.abs(got - want) <= 0.5 * scale + 1e-6)
