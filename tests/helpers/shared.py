@@ -1,5 +1,7 @@
 """What the test files share, in one place: model names, polling, the server loop that hosts
-grpc.aio and uvicorn, starting and stopping servers, and the `xlaserve` command line.
+grpc.aio and uvicorn, starting and stopping servers, the `xlaserve` command line, holding an
+engine's requests open for disconnect tests (`hold_requests_open`), and the XLA flags that make
+the multi-device subprocesses compile fast (`fast_compile_xla_flags`).
 
 Nothing here imports the engine at module level (the front imports sit inside the functions that
 start servers), so unit tests may import it without loading JAX.
