@@ -204,19 +204,22 @@ def test_int8_gemm_matches_numpy(K_):
     from jax_engine.models.llama_weights import quantize_int8
 
     rng = np.random.default_rng(11)
-    L, N = 2, 200
-    w = rng.standard_normal((L, K_, N), dtype=np.float32)
-    q, s = zip(*(quantize_int8(w[i], (0,)) for i in range(L)))            # per-output-column scales [1, N]
-    weight = {"q": jnp.asarray(np.stack(q)), "s": jnp.asarray(np.stack(s))}
-    packed = K.pack(weight, 1, stacked=True)
-    assert packed["q"].dtype == jnp.int8 and packed["s"].shape == (L, K.num_panels(N) * K.PANEL)
-    for M in (1, 7, 16):
-        x = rng.standard_normal((M, K_), dtype=np.float32)
-        for li in range(L):
-            got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(jnp.asarray(x), packed))
-            want = x.astype(np.float64) @ (np.stack(q)[li].astype(np.float64) * np.stack(s)[li])
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-            np.testing.assert_allclose(K.reference_gemm(x, packed, li, N), want, rtol=1e-6, atol=1e-5)
+    L = 2
+    # N = 520 (9 panels): every work item takes all M rows, so 16 and 40 rows run 3 and 7 register
+    # blocks in one call (with 4 panels the rows split into items of at most 12)
+    for N, Ms in ((200, (1, 7, 16)), (520, (16, 40))):
+        w = rng.standard_normal((L, K_, N), dtype=np.float32)
+        q, s = zip(*(quantize_int8(w[i], (0,)) for i in range(L)))            # per-output-column scales [1, N]
+        weight = {"q": jnp.asarray(np.stack(q)), "s": jnp.asarray(np.stack(s))}
+        packed = K.pack(weight, 1, stacked=True)
+        assert packed["q"].dtype == jnp.int8 and packed["s"].shape == (L, K.num_panels(N) * K.PANEL)
+        for M in Ms:
+            x = rng.standard_normal((M, K_), dtype=np.float32)
+            for li in range(L):
+                got = np.asarray(jax.jit(lambda x, w: K.gemm(x, w, li, N))(jnp.asarray(x), packed))
+                want = x.astype(np.float64) @ (np.stack(q)[li].astype(np.float64) * np.stack(s)[li])
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+                np.testing.assert_allclose(K.reference_gemm(x, packed, li, N), want, rtol=1e-6, atol=1e-5)
 
 
 def test_w8a8_gemm_quantizes_rows_and_sums_exactly():
