@@ -1446,6 +1446,8 @@ inline void pv_rows(const float* p, int64_t n, const int64_t* slot_of, const flo
     for (int v = 0; v < NV; ++v) store16(o + r * ldo + 16 * v, acc[r][v]);
 }
 
+#if !(defined(__AVX2__) && !defined(__AVX512F__))
+// pv_dispatch's R-row form: nv vectors of 16 columns in one pass of pv_rows.
 template <int R>
 inline void pv_nv(int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
                   int64_t ldo, int64_t cnt) {
@@ -1457,22 +1459,9 @@ inline void pv_nv(int nv, const float* p, int64_t n, const int64_t* slot_of, con
   }
 }
 
-#if !(defined(__AVX2__) && !defined(__AVX512F__))
 // out[kk] = scale * (q . k[kk]) for a chunk of 16 keys (kp as score16's).
 inline void score_chunk(const float* qr, const float* const* kp, int64_t D, float scale, float* out) {
   store16(out, score16(qr, kp, D) * scale);
-}
-
-// o[r] = sum over keys j < cnt of p[r * n + j] * v[j] for r rows (<= 4) and nv vectors of 16
-// columns (<= 4); n is the row stride of p (cnt = n: every key).
-inline void pv_dispatch(int r, int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv,
-                        float* o, int64_t ldo, int64_t cnt) {
-  switch (r) {
-    case 1: pv_nv<1>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    case 2: pv_nv<2>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    case 3: pv_nv<3>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    default: pv_nv<4>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-  }
 }
 
 // Softmax in place over the first n entries of a score row (max, exp, normalise).
@@ -1563,26 +1552,16 @@ inline void pv_rows8(const float* p, int64_t n, const int64_t* slot_of, const fl
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + r * ldo + 8 * v, acc[r][v]);
 }
 
+// pv_dispatch's R-row form on AVX2: nv vectors of 16 columns as passes of pv_rows8.
 template <int R>
-inline void pv_passes(int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv,
-                      float* o, int64_t ldo, int64_t cnt) {
+inline void pv_nv(int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
+                  int64_t ldo, int64_t cnt) {
   constexpr int kStep = R <= 2 ? 4 : 2;                  // ymm columns a pass: 32 for 1-2 rows, 16 for 3-4
   for (int c = 0; c < 2 * nv; c += kStep) {
     if (2 * nv - c >= kStep)
       pv_rows8<R, kStep>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
     else
       pv_rows8<R, 2>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
-  }
-}
-
-// pv_dispatch's contract (r <= 4 rows, nv <= 4 vectors of 16 columns), as passes of pv_rows8.
-inline void pv_dispatch(int r, int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv,
-                        float* o, int64_t ldo, int64_t cnt) {
-  switch (r) {
-    case 1: pv_passes<1>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    case 2: pv_passes<2>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    case 3: pv_passes<3>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    default: pv_passes<4>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
   }
 }
 
@@ -1623,6 +1602,18 @@ inline void softmax_row(float* sr, int64_t n) {
   for (; j < n; ++j) sr[j] *= inv;
 }
 #endif
+
+// o[r] = sum over keys j < cnt of p[r * n + j] * v[j] for r rows (<= 4) and nv vectors of 16
+// columns (<= 4); n is the row stride of p (cnt = n: every key).
+inline void pv_dispatch(int r, int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv,
+                        float* o, int64_t ldo, int64_t cnt) {
+  switch (r) {
+    case 1: pv_nv<1>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 2: pv_nv<2>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 3: pv_nv<3>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    default: pv_nv<4>(nv, p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+  }
+}
 
 // The largest run of consecutive tokens the grouped path takes together (see GroupAttention).
 constexpr int64_t kGroup = 8;
