@@ -1424,26 +1424,29 @@ inline v16 score16(const float* qr, const float* const* kp, int64_t D) {
   return fold16(part);
 }
 
-// o[r, 0:16 NV] = sum_j p[r, j] v_j for R query rows (row stride ldo; p rows of n scores) over the
-// keys' value vectors at vb + slot * ldv; keys with slot < 0 are skipped.
-template <int R, int NV>
+// o[r, 0:W NV] = sum_j p[r, j] v_j for R query rows (row stride ldo; p rows of n scores) over the
+// keys' value vectors at vb + slot * ldv; keys with slot < 0 are skipped. V: the float vector
+// (W lanes), VU its unaligned form: v16 on 16-lane builds; v8 on AVX2-only ones, where pv_nv
+// keeps R x NV accumulators, NV loaded values and a broadcast within the 16 ymm registers.
+template <typename V, typename VU, int R, int NV>
 inline void pv_rows(const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
                     int64_t ldo, int64_t cnt) {
-  v16 acc[R][NV];
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  V acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
+    for (int v = 0; v < NV; ++v) acc[r][v] = V{};
   for (int64_t j = 0; j < cnt; ++j) {
     if (slot_of[j] < 0) continue;
     const float* vr = vb + slot_of[j] * ldv;
-    v16 x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = load16(vr + 16 * v);
+    V x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = *reinterpret_cast<const VU*>(vr + W * v);
     for (int r = 0; r < R; ++r) {
       const float a = p[r * n + j];
       for (int v = 0; v < NV; ++v) acc[r][v] += x[v] * a;
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store16(o + r * ldo + 16 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) *reinterpret_cast<VU*>(o + r * ldo + W * v) = acc[r][v];
 }
 
 #if !(defined(__AVX2__) && !defined(__AVX512F__))
@@ -1452,10 +1455,10 @@ template <int R>
 inline void pv_nv(int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
                   int64_t ldo, int64_t cnt) {
   switch (nv) {
-    case 1: pv_rows<R, 1>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    case 2: pv_rows<R, 2>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    case 3: pv_rows<R, 3>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    default: pv_rows<R, 4>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 1: pv_rows<v16, v16u, R, 1>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 2: pv_rows<v16, v16u, R, 2>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 3: pv_rows<v16, v16u, R, 3>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    default: pv_rows<v16, v16u, R, 4>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
   }
 }
 
@@ -1493,7 +1496,7 @@ inline void softmax_row(float* sr, int64_t n) {
 // AVX2-only builds: the same three helpers on 8-lane vectors. GCC lowers the 16-lane forms above
 // through the stack on such a target: score16's 16 accumulators are 32 ymm registers, fold16's
 // two-source shuffles and hsum / hmax are permutes of 64-byte vectors, pv_rows' 4 x 4
-// accumulators 32 more (the compiled decode attention had ~7,500 of its ~12,700 instructions
+// 16-lane accumulators 32 more (the compiled decode attention had ~7,500 of its ~12,700 instructions
 // touching the stack). The decode kernel alone, 12 layers of 16 rows x 200 keys on scattered
 // 16-slot pages (4 KV heads of 64, 3 query heads each; 79 MB of K and V), 2-vCPU Zen 3, ms a
 // step: 18.7-21.7 -> 6.5-7.3 (one row: 1.29 -> 0.39); the 'small' float32 model's batch-16
@@ -1530,38 +1533,16 @@ inline void score_chunk(const float* qr, const float* const* kp, int64_t D, floa
   _mm256_storeu_ps(out + 8, _mm256_mul_ps(score8(qr, kp + 8, D), sc));
 }
 
-// o[r, 0:8 NV] = sum_j p[r, j] v_j as pv_rows, NV ymm columns per row: R x NV accumulators, NV
-// loaded values and a broadcast stay within the 16 registers for the (R, NV) pv_dispatch uses.
-template <int R, int NV>
-inline void pv_rows8(const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
-                     int64_t ldo, int64_t cnt) {
-  __m256 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < cnt; ++j) {
-    if (slot_of[j] < 0) continue;
-    const float* vr = vb + slot_of[j] * ldv;
-    __m256 x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = _mm256_loadu_ps(vr + 8 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(p + r * n + j);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(x[v], a, acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + r * ldo + 8 * v, acc[r][v]);
-}
-
-// pv_dispatch's R-row form on AVX2: nv vectors of 16 columns as passes of pv_rows8.
+// pv_dispatch's R-row form on AVX2: nv vectors of 16 columns as passes of pv_rows on 8 lanes.
 template <int R>
 inline void pv_nv(int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
                   int64_t ldo, int64_t cnt) {
   constexpr int kStep = R <= 2 ? 4 : 2;                  // ymm columns a pass: 32 for 1-2 rows, 16 for 3-4
   for (int c = 0; c < 2 * nv; c += kStep) {
     if (2 * nv - c >= kStep)
-      pv_rows8<R, kStep>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
+      pv_rows<v8, v8u, R, kStep>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
     else
-      pv_rows8<R, 2>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
+      pv_rows<v8, v8u, R, 2>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
   }
 }
 
