@@ -192,13 +192,14 @@ def ort_note(e: dict) -> str:
             f"sentence-transformers: min cosine {_f(chk.get('min_cosine'), '{:.7f}')} ({_ok(chk.get('ok'))}).")
 
 
-def sec_embed(e: dict, quick: bool) -> list[str]:
+def sec_embed(e: dict, quick: bool, name: str = "embed_vs_st") -> list[str]:
     r, t = e["results"], e.get("targets", {})
     how = e["setup"].get("how") or {}
     sizes = e["setup"]["batch_sizes"]
     has_ort = any("ort_sentences_per_s" in r.get(f"batch_{B}", {}) for B in sizes)
     title = "sentence-transformers and ONNX Runtime" if has_ort else "sentence-transformers"
-    lines = [f"### Embeddings: all-MiniLM-L6-v2 vs {title} ({_cpu(e)})", "", _src("embed_vs_st", quick, e),
+    tag = "" if name == "embed_vs_st" else f" (`{name}`)"
+    lines = [f"### Embeddings{tag}: all-MiniLM-L6-v2 vs {title} ({_cpu(e)})", "", _src(name, quick, e),
              "", (f"xlaserve: {how.get('xlaserve', '?')}; sentence-transformers: {how.get('sentence_transformers', '?')}; "
              f"batch 1: {how.get('batch_1', '?')}. {e['setup']['corpus_sentences']} sentences, "
              f"{e['setup']['tokens_per_sentence_mean']} tokens each on average. {ort_note(e)}").rstrip(), ""]
@@ -251,16 +252,16 @@ def _gen_row(dtype: str, row: dict, B: int) -> str:
             f"{_f(b['roofline_fraction'].get('xlaserve_decode'), '{:.0%}')} | {b.get('clean_rounds')} of {b.get('rounds')} |")
 
 
-def generate_variants(quick: bool) -> list[str]:
-    """Results names of generate_vs_hf runs kept beside the default file (`--results-name`: another
-    host class, e.g. generate_vs_hf_avx2), sorted."""
+def result_variants(job: str, quick: bool) -> list[str]:
+    """Results names of `job`'s runs kept beside its default file (`--results-name`: another host
+    class, e.g. generate_vs_hf_avx2), sorted."""
     suffix = "_quick.json" if quick else ".json"
     out = []
     for fn in sorted(os.listdir(C.RESULTS_DIR)):
-        if not (fn.startswith("generate_vs_hf_") and fn.endswith(suffix)):
+        if not (fn.startswith(job + "_") and fn.endswith(suffix)):
             continue
         name = fn[: -len(suffix)]
-        if name != "generate_vs_hf" and (quick or not name.endswith("_quick")):
+        if name != job and (quick or not name.endswith("_quick")):
             out.append(name)
     return out
 
@@ -742,10 +743,11 @@ def section(quick: bool) -> str:
                         ("parity", sec_parity), ("tests", sec_tests)):
         if docs[job]:
             lines += render(docs[job], quick)
-    for name in generate_variants(quick):
-        doc = _load(name, quick)
-        if doc and doc.get("benchmark") == "generate_vs_hf":
-            lines += sec_generate(doc, quick, name)
+    for job, render in (("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate)):
+        for name in result_variants(job, quick):
+            doc = _load(name, quick)
+            if doc and doc.get("benchmark") == job:
+                lines += render(doc, quick, name)
     if docs["profile_decode"]:
         lines += sec_profile(docs["profile_decode"], docs["profile_decode_batch"], quick)
     if len(lines) <= 3:

@@ -153,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--peers", default="st,ort",
                     help="peers beside the engine: st (sentence-transformers), ort (ONNX Runtime; skipped with a "
                          "note when not installed). Default st,ort")
+    ap.add_argument("--results-name", default=NAME,
+                    help=f"results file name (default {NAME}); another host class keeps its own file beside the "
+                         f"default one, e.g. {NAME}_avx2 on a host without AVX-512: the README shows each "
+                         f"{NAME}*.json with its host line")
     C.add_round_args(ap)
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     quick = a.quick
@@ -267,12 +271,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                     "clean": sum(x["clean"] for x in runs[B]["xlaserve"])} for B in batch_sizes}
     doc["busy_processes_at_end"] = C.busy_processes()
     if not a.no_plot:
-        doc["plots"] = plots(res, batch_sizes, quick, doc["cpu"])
+        doc["plots"] = plots(res, batch_sizes, quick, doc["cpu"], a.results_name)
     eng.close()
     peer.close()
     if ort:
         ort.close()
-    return C.finish(doc, NAME, quick)
+    return C.finish(doc, a.results_name, quick)
 
 
 def summarize(runs: dict, batch_sizes: list[int]) -> dict:
@@ -329,10 +333,10 @@ def latency_summary(e: list[dict], s: list[dict]) -> dict:
     return row
 
 
-def plots(res: dict, batch_sizes: list[int], quick: bool, cpu: dict) -> list[str]:
+def plots(res: dict, batch_sizes: list[int], quick: bool, cpu: dict, name: str = NAME) -> list[str]:
     note = f"cpu share {cpu['cpu_share_of_cores']}, others {cpu['others_share_of_cores']}" + \
            (" (DISTURBED)" if cpu["disturbed"] else "")
-    p1 = C.bar_plot(C.result_path(NAME, quick, "png"), "all-MiniLM-L6-v2 embeddings, CPU: sentences/s",
+    p1 = C.bar_plot(C.result_path(name, quick, "png"), "all-MiniLM-L6-v2 embeddings, CPU: sentences/s",
                     [f"batch {B}" for B in batch_sizes],
                     {"xlaserve": [res[f"batch_{B}"]["xlaserve_sentences_per_s"] for B in batch_sizes],
                      **({"ONNX Runtime (O2)": [res[f"batch_{B}"].get("ort_sentences_per_s") for B in batch_sizes]}
@@ -342,7 +346,7 @@ def plots(res: dict, batch_sizes: list[int], quick: bool, cpu: dict) -> list[str
     out = [C.rel(p1)]
     if "batch_1" in res:
         b1 = res["batch_1"]
-        p2 = C.bar_plot(C.result_path(NAME + "_latency", quick, "png"), "batch-1 latency",
+        p2 = C.bar_plot(C.result_path(name + "_latency", quick, "png"), "batch-1 latency",
                         ["p50", "p90", "p99"],
                         {"xlaserve": [b1["xlaserve_latency_ms"].get(k) for k in ("p50", "p90", "p99")],
                          **({"ONNX Runtime (O2)": [b1["ort_latency_ms"].get(k) for k in ("p50", "p90", "p99")]}

@@ -1424,11 +1424,24 @@ inline v16 score16(const float* qr, const float* const* kp, int64_t D) {
   return fold16(part);
 }
 
+// Unaligned loads and stores of a GCC vector type V by memcpy (one vmovups). Why not a pointer
+// cast to an unaligned typedef passed as a template argument: a template argument drops the
+// typedef's aligned(4) attribute, so the cast compiled to aligned moves (vmovaps), which fault
+// on a 16-byte-aligned buffer (the AVX2 encoder attention's output rows did).
+template <typename V>
+inline V loadu(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <typename V>
+inline void storeu(float* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
+
 // o[r, 0:W NV] = sum_j p[r, j] v_j for R query rows (row stride ldo; p rows of n scores) over the
 // keys' value vectors at vb + slot * ldv; keys with slot < 0 are skipped. V: the float vector
-// (W lanes), VU its unaligned form: v16 on 16-lane builds; v8 on AVX2-only ones, where pv_nv
-// keeps R x NV accumulators, NV loaded values and a broadcast within the 16 ymm registers.
-template <typename V, typename VU, int R, int NV>
+// (W lanes): v16 on 16-lane builds; v8 on AVX2-only ones, where pv_nv keeps R x NV
+// accumulators, NV loaded values and a broadcast within the 16 ymm registers.
+template <typename V, int R, int NV>
 inline void pv_rows(const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
                     int64_t ldo, int64_t cnt) {
   constexpr int64_t W = sizeof(V) / sizeof(float);
@@ -1439,14 +1452,14 @@ inline void pv_rows(const float* p, int64_t n, const int64_t* slot_of, const flo
     if (slot_of[j] < 0) continue;
     const float* vr = vb + slot_of[j] * ldv;
     V x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = *reinterpret_cast<const VU*>(vr + W * v);
+    for (int v = 0; v < NV; ++v) x[v] = loadu<V>(vr + W * v);
     for (int r = 0; r < R; ++r) {
       const float a = p[r * n + j];
       for (int v = 0; v < NV; ++v) acc[r][v] += x[v] * a;
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) *reinterpret_cast<VU*>(o + r * ldo + W * v) = acc[r][v];
+    for (int v = 0; v < NV; ++v) storeu<V>(o + r * ldo + W * v, acc[r][v]);
 }
 
 #if !(defined(__AVX2__) && !defined(__AVX512F__))
@@ -1455,10 +1468,10 @@ template <int R>
 inline void pv_nv(int nv, const float* p, int64_t n, const int64_t* slot_of, const float* vb, int64_t ldv, float* o,
                   int64_t ldo, int64_t cnt) {
   switch (nv) {
-    case 1: pv_rows<v16, v16u, R, 1>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    case 2: pv_rows<v16, v16u, R, 2>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    case 3: pv_rows<v16, v16u, R, 3>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
-    default: pv_rows<v16, v16u, R, 4>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 1: pv_rows<v16, R, 1>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 2: pv_rows<v16, R, 2>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    case 3: pv_rows<v16, R, 3>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
+    default: pv_rows<v16, R, 4>(p, n, slot_of, vb, ldv, o, ldo, cnt); break;
   }
 }
 
@@ -1540,9 +1553,9 @@ inline void pv_nv(int nv, const float* p, int64_t n, const int64_t* slot_of, con
   constexpr int kStep = R <= 2 ? 4 : 2;                  // ymm columns a pass: 32 for 1-2 rows, 16 for 3-4
   for (int c = 0; c < 2 * nv; c += kStep) {
     if (2 * nv - c >= kStep)
-      pv_rows<v8, v8u, R, kStep>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
+      pv_rows<v8, R, kStep>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
     else
-      pv_rows<v8, v8u, R, 2>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
+      pv_rows<v8, R, 2>(p, n, slot_of, vb + 8 * c, ldv, o + 8 * c, ldo, cnt);
   }
 }
 
@@ -1957,6 +1970,39 @@ inline void encoder_scores(const float* kt, int64_t np, const float* const qr[4]
 // (indices into rows of `base`, `row` floats apart, q at +0, k at +HD, v at +2 HD, already offset
 // to this head) attend to each other; out rows (`ldo` floats apart, offset to this head) of those
 // tokens get the result.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2-only builds: the decode attention's 8-lane helpers (score_chunk, softmax_row,
+// pv_dispatch), which read keys and values where they lie (no transposed copy). The 16-lane form
+// below kept its 4 x NB score and 4 x NV output accumulators (up to 32 ymm registers each) on the
+// stack there: all-MiniLM-L6-v2's packed 40-token program (one 37-token sentence), 2-vCPU Zen 3,
+// spent 30 % of its samples in it.
+void encoder_attend(const float* base, int64_t row, const int64_t* keys, int64_t n, int64_t D, int64_t HD,
+                    float scale, float* ob, int64_t ldo) {
+  if (n == 0) return;
+  std::vector<float> sc(4 * n), tmp(4 * D);
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t nr = std::min<int64_t>(4, n - i0);
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* qr = base + keys[i0 + r] * row;
+      float* sr = sc.data() + r * n;
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t e = std::min<int64_t>(16, n - j0);
+        const float* kp[16];
+        for (int64_t kk = 0; kk < 16; ++kk)      // past the last key: any real key, its score unused
+          kp[kk] = base + keys[j0 + (kk < e ? kk : 0)] * row + HD;
+        float sums[16];
+        score_chunk(qr, kp, D, scale, sums);
+        std::memcpy(sr + j0, sums, e * sizeof(float));
+      }
+      softmax_row(sr, n);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 64)
+      pv_dispatch(static_cast<int>(nr), static_cast<int>(std::min<int64_t>(4, (D - d0) / 16)), sc.data(), n, keys,
+                  base + 2 * HD + d0, row, tmp.data() + d0, D, n);
+    for (int64_t r = 0; r < nr; ++r) std::memcpy(ob + keys[i0 + r] * ldo, tmp.data() + r * D, D * sizeof(float));
+  }
+}
+#else
 void encoder_attend(const float* base, int64_t row, const int64_t* keys, int64_t n, int64_t D, int64_t HD,
                     float scale, float* ob, int64_t ldo) {
   if (n == 0) return;
@@ -1973,7 +2019,7 @@ void encoder_attend(const float* base, int64_t row, const int64_t* keys, int64_t
         blk[j] = j < m ? _mm512_loadu_ps(base + keys[jb + j] * row + HD + c) : _mm512_setzero_ps();
       transpose16x16(blk);
       for (int64_t d = 0; d < 16; ++d) _mm512_storeu_ps(kt.data() + (c + d) * np + jb, blk[d]);
-#else     // AVX2 and older: element by element (kt starts zeroed, so keys past m stay 0)
+#else     // neither AVX-512 nor AVX2: element by element (kt starts zeroed, so keys past m stay 0)
       for (int64_t j = 0; j < m; ++j) {
         const float* kr = base + keys[jb + j] * row + HD + c;
         for (int64_t d = 0; d < 16; ++d) kt[(c + d) * np + jb + j] = kr[d];
@@ -2022,6 +2068,8 @@ void encoder_attend(const float* base, int64_t row, const int64_t* keys, int64_t
     }
   }
 }
+
+#endif
 
 ffi::Error EncoderAttentionImpl(ffi::ThreadPool pool, Rank3 qkv, I32x2 mask, int64_t heads, float scale,
                                 ffi::ResultBuffer<ffi::F32, 3> out) {

@@ -276,21 +276,29 @@ def test_onnxruntime_optimizer_takes_the_o2_arguments():
     assert {"model_type", "num_heads", "hidden_size", "opt_level", "use_gpu"} <= set(params)
 
 
-def test_a_second_hosts_generate_results_render_beside_the_default(tmp_path, monkeypatch):
+def test_a_second_hosts_results_render_beside_the_default(tmp_path, monkeypatch):
     # --results-name keeps another host class's run (e.g. without AVX-512) in its own file; the
-    # README section shows each generate_vs_hf*.json with its source line, quick files only in quick mode
+    # README section shows each generate_vs_hf*.json and embed_vs_st*.json with its source line,
+    # quick files only in quick mode
     from benchmarks import common as C
+    from benchmarks import embed_vs_st as E
 
     monkeypatch.setattr(C, "RESULTS_DIR", str(tmp_path))
     for name in ("generate_vs_hf_avx2.json", "generate_vs_hf_avx2_quick.json", "generate_vs_hf_quick.json",
-                 "generate_vs_hf.json", "generate_vs_hf_prefill.png", "spec_decode.json"):
+                 "generate_vs_hf.json", "generate_vs_hf_prefill.png", "spec_decode.json", "embed_vs_st.json",
+                 "embed_vs_st_avx2.json", "embed_vs_st_quick.json", "embed_vs_st_avx2_latency.png"):
         (tmp_path / name).write_text("{}")
-    assert M.generate_variants(quick=False) == ["generate_vs_hf_avx2"]
-    assert M.generate_variants(quick=True) == ["generate_vs_hf_avx2"]
+    assert M.result_variants("generate_vs_hf", quick=False) == ["generate_vs_hf_avx2"]
+    assert M.result_variants("generate_vs_hf", quick=True) == ["generate_vs_hf_avx2"]
+    assert M.result_variants("embed_vs_st", quick=False) == ["embed_vs_st_avx2"]
     rendered = []
-    monkeypatch.setattr(M, "_load", lambda name, quick: ({"benchmark": "generate_vs_hf"}
-                                                         if name.startswith("generate_vs_hf") else None))
+    monkeypatch.setattr(M, "_load", lambda name, quick: ({"benchmark": name.split("_avx2")[0]}
+                                                         if name.startswith(("generate_vs_hf", "embed_vs_st"))
+                                                         else None))
     monkeypatch.setattr(M, "sec_generate", lambda doc, quick, name="generate_vs_hf": rendered.append(name) or [f"## {name}"])
+    monkeypatch.setattr(M, "sec_embed", lambda doc, quick, name="embed_vs_st": rendered.append(name) or [f"## {name}"])
     text = M.section(quick=False)
-    assert rendered == ["generate_vs_hf", "generate_vs_hf_avx2"] and "## generate_vs_hf_avx2" in text
+    assert rendered == ["embed_vs_st", "generate_vs_hf", "embed_vs_st_avx2", "generate_vs_hf_avx2"]
+    assert "## generate_vs_hf_avx2" in text and "## embed_vs_st_avx2" in text
+    assert '"--results-name"' in inspect.getsource(E.main)
     assert '"--results-name"' in inspect.getsource(G.main)     # the benchmark's option writing such a file
