@@ -270,7 +270,8 @@ class EmbedWorker:
         # program size (jax_engine/kernels/choose.py, configure_encoder); kernel / xla force a path
         self.cfg.matmul_plan = cpu_matmul.configure_encoder(
             args.cpu_matmul, backend.platform(), backend.DTYPE_NAMES[dtype], 1, bert.matrix_dims(self.cfg),
-            layers=self.cfg.num_layers, max_rows=self.buckets.max_program_tokens, attention=bert.attention_dims(self.cfg))
+            layers=self.cfg.num_layers, max_rows=self.buckets.max_program_tokens, attention=bert.attention_dims(self.cfg),
+            gelu=bert.fused_gelu_matrix(self.cfg))
         self.num_params = bert.count_params(model)               # the checkpoint's, before any packed copy
         # split once: the bucket programs close over the graph definition and take the state's leaves
         self.graphdef, self.params = nnx.split(bert.pack_for_kernel(model, self.cfg))

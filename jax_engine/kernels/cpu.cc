@@ -157,6 +157,20 @@ typedef int v16i __attribute__((vector_size(64)));
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
+// loadu<V> / storeu<V>: unaligned moves of the float vector V (v16 here, v8 on AVX2-only builds)
+// for code written once over both. Why not a cast to an unaligned typedef passed as a template
+// argument: a template argument drops the typedef's aligned(4), so the cast compiled to aligned
+// moves (vmovaps), which faulted on a 16-byte-aligned buffer (the AVX2 encoder attention's
+// output rows); and not memcpy, which Intel tuning splits (above).
+template <typename V>
+inline V loadu(const float* p);
+template <typename V>
+inline void storeu(float* p, V v);
+template <>
+inline v16 loadu<v16>(const float* p) { return load16(p); }
+template <>
+inline void storeu<v16>(float* p, v16 v) { store16(p, v); }
+
 // 16 weights as floats: float32 as stored; int8 widened (the per-column scale is applied once,
 // after the K loop, so int8 costs a convert per weight and a quarter of the memory traffic)
 inline v16 load_w(const float* p) { return load16(p); }
@@ -207,6 +221,10 @@ __attribute__((always_inline)) inline void prefetch_step(const W* pf, int64_t pf
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 inline v8 load_w8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+template <>
+inline v8 loadu<v8>(const float* p) { return reinterpret_cast<v8>(_mm256_loadu_ps(p)); }
+template <>
+inline void storeu<v8>(float* p, v8 v) { _mm256_storeu_ps(p, reinterpret_cast<__m256>(v)); }
 inline v8 load_w8(const int8_t* p) {
   return reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 }
@@ -652,18 +670,19 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels w,
 // erf(x) in float32: the odd rational form x P(x^2) / Q(x^2) on x clamped to [-4, 4] (beyond,
 // erf is +-1 in float32), degrees 13 / 8; max abs error 3.3e-7 on a dense grid over [-6, 6],
 // as XLA:CPU's own erf measures there.
-inline v16 verf(v16 x) {
-  x = x < -4.0f ? v16{} - 4.0f : x;
-  x = x > 4.0f ? v16{} + 4.0f : x;
-  const v16 x2 = x * x;
-  v16 p = v16{} - 2.72614225801306e-10f;
+template <typename V>
+inline V verf(V x) {
+  x = x < -4.0f ? V{} - 4.0f : x;
+  x = x > 4.0f ? V{} + 4.0f : x;
+  const V x2 = x * x;
+  V p = V{} - 2.72614225801306e-10f;
   p = p * x2 + 2.77068142495902e-08f;
   p = p * x2 - 2.10102402082508e-06f;
   p = p * x2 - 5.69250639462346e-05f;
   p = p * x2 - 7.34990630326855e-04f;
   p = p * x2 - 2.95459980854025e-03f;
   p = p * x2 - 1.60960333262415e-02f;
-  v16 q = v16{} - 1.45660718464996e-05f;
+  V q = V{} - 1.45660718464996e-05f;
   q = q * x2 - 2.13374055278905e-04f;
   q = q * x2 - 1.68282697438203e-03f;
   q = q * x2 - 7.37332916720468e-03f;
@@ -673,15 +692,23 @@ inline v16 verf(v16 x) {
 
 // y = y + bias, then (kGelu) HF's exact (erf) GELU 0.5 v (1 + erf(v / sqrt 2)), over rows x cols
 // of a tile (row stride ldo; cols <= 64). Run on each tile right after its GEMM, while it is in L1.
+// On 8-lane vectors on AVX2-only builds: the 16-lane form's selects went through xmm halves and
+// the stack there (all-MiniLM-L6-v2 at 32 sentences, 2-vCPU Zen 3: 7.3 % of the samples).
 template <bool kGelu>
 inline void bias_act(float* y, int64_t ldo, int64_t rows, const float* bias, int64_t cols) {
-  const int64_t whole = cols / 16 * 16;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  using V = v8;
+#else
+  using V = v16;
+#endif
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  const int64_t whole = cols / W * W;
   for (int64_t m = 0; m < rows; ++m) {
     float* r = y + m * ldo;
-    for (int64_t c = 0; c < whole; c += 16) {
-      const v16 v = load16(r + c) + load16(bias + c);
-      if constexpr (kGelu) store16(r + c, 0.5f * v * (1.0f + verf(v * 0.70710678118654752f)));
-      else store16(r + c, v);
+    for (int64_t c = 0; c < whole; c += W) {
+      const V v = loadu<V>(r + c) + loadu<V>(bias + c);
+      if constexpr (kGelu) storeu<V>(r + c, 0.5f * v * (1.0f + verf<V>(v * 0.70710678118654752f)));
+      else storeu<V>(r + c, v);
     }
     for (int64_t c = whole; c < cols; ++c) {
       const float v = r[c] + bias[c];
@@ -1423,19 +1450,6 @@ inline v16 score16(const float* qr, const float* const* kp, int64_t D) {
   }
   return fold16(part);
 }
-
-// Unaligned loads and stores of a GCC vector type V by memcpy (one vmovups). Why not a pointer
-// cast to an unaligned typedef passed as a template argument: a template argument drops the
-// typedef's aligned(4) attribute, so the cast compiled to aligned moves (vmovaps), which fault
-// on a 16-byte-aligned buffer (the AVX2 encoder attention's output rows did).
-template <typename V>
-inline V loadu(const float* p) {
-  V v;
-  __builtin_memcpy(&v, p, sizeof(V));
-  return v;
-}
-template <typename V>
-inline void storeu(float* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
 
 // o[r, 0:W NV] = sum_j p[r, j] v_j for R query rows (row stride ldo; p rows of n scores) over the
 // keys' value vectors at vb + slot * ldv; keys with slot < 0 are skipped. V: the float vector

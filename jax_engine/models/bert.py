@@ -439,7 +439,7 @@ class Layer(nnx.Module):
         qkv = at.qkv(c, x.astype(dt), li, rows=rows)
         attn = at.output.dense(c, attend(qkv).astype(dt), li, rows=rows)
         x = at.output.LayerNorm(x + attn.astype(jnp.float32), c.layer_norm_eps)
-        if c.hidden_act == "gelu":      # the kernel path fuses it into the projection
+        if fused_gelu_matrix(c):        # the kernel path fuses it into the projection
             inner = self.intermediate.dense(c, x.astype(dt), li, gelu=True, rows=rows)
         else:
             inner = _ACTIVATIONS[c.hidden_act](self.intermediate.dense(c, x.astype(dt), li, rows=rows))
@@ -540,6 +540,12 @@ def matrix_dims(c: EncoderConfig) -> dict[str, tuple[int, int]]:
     """(K, N) of each layer matrix, [in, out] as stored."""
     h, i = c.hidden_size, c.intermediate_size
     return {"qkv_w": (h, 3 * h), "attn_out_w": (h, h), "ffn_in_w": (h, i), "ffn_out_w": (i, h)}
+
+
+def fused_gelu_matrix(c: EncoderConfig) -> Optional[str]:
+    """The layer matrix whose product the kernel path finishes with the GELU (Layer: the exact
+    erf form only), or None."""
+    return "ffn_in_w" if c.hidden_act == "gelu" else None
 
 
 def attention_on_kernel(c: EncoderConfig, tokens: Optional[int] = None) -> bool:

@@ -10,6 +10,7 @@ transformers with zero compilations after warmup.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +164,31 @@ def test_real_timer_measures_both_paths():
         pt = C._Point(case, 2, D)
         assert "w8a8" in pt.slice and pt.specs["kernel"]["q"].dtype == jnp.uint8
         got = C.wall_timer(case, 2, {p: pt.runner(p) for p in pt.paths})
+        assert set(got) == {"xla", "kernel"} and all(v > 0 for v in got.values())
+
+
+def test_encoder_points_time_the_bias_and_gelu_on_both_paths():
+    """A float32 encoder matrix is timed as its program runs it: + bias, and the exact GELU for the
+    matrix the kernel finishes with it (bert.fused_gelu_matrix); both timed programs compute the
+    same numbers from the same weights (the kernel's fused pass vs XLA's dot and fusions)."""
+    dims = {"qkv_w": (64, 192), "ffn_in_w": (64, 256)}
+    cases_ = C.encoder_cases(dims, 2, jnp.float32, 2048, gelu="ffn_in_w")
+    assert [c.epilogue for c in cases_] == ["bias", "bias_gelu"]
+    assert all(not c.epilogue for c in C.encoder_cases(dims, 2, jnp.bfloat16, 2048, gelu="ffn_in_w"))
+    rng = np.random.default_rng(3)
+    for case in cases_:
+        pt = C._Point(case, 16, 0)
+        k, n = dims[case.weight]
+        w = rng.standard_normal((2, k, n)).astype(np.float32) * 0.3
+        b = rng.standard_normal((2, n)).astype(np.float32)
+        x = jnp.asarray(rng.standard_normal((16, k)).astype(np.float32))
+        xla = np.asarray(pt.fns["xla"](x, {"w": jnp.asarray(w), "b": jnp.asarray(b)}))
+        kern = np.asarray(pt.fns["kernel"](x, {"p": K.pack(jnp.asarray(w), 1, stacked=True), "b": jnp.asarray(b)}))
+        pre = np.einsum("mk,lkn->lmn", np.asarray(x, np.float64), w) + b[:, None, :]
+        want = pre if case.epilogue == "bias" else 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+        np.testing.assert_allclose(xla, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(kern, want, rtol=1e-4, atol=1e-4)
+        got = C.wall_timer(case, 16, {p: pt.runner(p) for p in pt.paths})
         assert set(got) == {"xla", "kernel"} and all(v > 0 for v in got.values())
 
 
