@@ -108,7 +108,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +121,7 @@ from jax_engine.models import bert, llama
 log = logging.getLogger("xlaserve.kernels")
 
 RULE_VERSION = 4
+Epilogue = Literal["", "bias", "bias_gelu"]    # what a timed encoder matrix does after its product
 MARGIN = 0.10                    # a second layout must win by more than this (see the module docstring)
 SAMPLES = 5                      # alternating samples per path and point (after one warm call each)
 MIN_SAMPLE_S = 0.002             # back-to-back calls per sample until at least this long
@@ -152,7 +153,7 @@ class Case:
     blas: bool = False               # also time the library sgemm (at prefill points)
     flat: bool = False               # an encoder matrix: x [M, K] @ w [K, N] (no decoder layout)
     a8: bool = False                 # int8 activations too (--quantize w8a8: quantized per row)
-    epilogue: str = ""               # a flat float32 matrix's finish as its program runs it: "bias",
+    epilogue: Epilogue = ""          # a flat float32 matrix's finish as its program runs it: "bias",
                                      # "bias_gelu" (encoder_cases: why)
 
     @property
@@ -561,7 +562,8 @@ def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any,
     sentences/s at batch 32, against 170-177 on the kernel."""
     pts = tuple(m for m in ENCODER_POINTS if m <= max_rows) or (max(1, max_rows),)
     name = jnp.dtype(dtype).name
-    epi = (lambda w: "bias_gelu" if w == gelu else "bias") if name == "float32" else (lambda w: "")
+    def epi(w: str) -> Epilogue:
+        return "" if name != "float32" else "bias_gelu" if w == gelu else "bias"
     out = [Case(w, (k,), (n,), layers, name, int8=False, points=pts, flat=True, epilogue=epi(w))
            for w, (k, n) in matrices.items()]
     if attention is not None:
