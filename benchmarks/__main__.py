@@ -254,11 +254,13 @@ def _gen_row(dtype: str, row: dict, B: int) -> str:
 
 def result_variants(job: str, quick: bool) -> list[str]:
     """Results names of `job`'s runs kept beside its default file (`--results-name`: another host
-    class, e.g. generate_vs_hf_avx2), sorted."""
+    class, e.g. generate_vs_hf_avx2), sorted. A name with "_before_" is an earlier run that the
+    README's prose cites as a before-figure (e.g. embed_vs_st_avx2_before_encoder_fixes), not a
+    table of its own."""
     suffix = "_quick.json" if quick else ".json"
     out = []
     for fn in sorted(os.listdir(C.RESULTS_DIR)):
-        if not (fn.startswith(job + "_") and fn.endswith(suffix)):
+        if not (fn.startswith(job + "_") and fn.endswith(suffix)) or "_before_" in fn:
             continue
         name = fn[: -len(suffix)]
         if name != job and (quick or not name.endswith("_quick")):
