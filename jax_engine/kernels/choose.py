@@ -559,7 +559,8 @@ def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any,
     over each output tile (cpu.gemm_bias), XLA as its own fusions after the dot. Timed bare, the
     two paths came within the noise at 256-1024 rows and the plan flipped between starts on one
     host (2-vCPU Zen 3, all-MiniLM-L6-v2): one start put every matrix on XLA's dot, 140-147
-    sentences/s at batch 32, where `--cpu-matmul kernel` ran 170-177 (runs minutes apart). With
+    sentences/s at batch 32, where `--cpu-matmul kernel` ran 134-177 (median 171 of 8 runs;
+    runs minutes apart). With
     the epilogue timed, that host's plans keep XLA's dot only for qkv and FFN out at ~1,000 rows;
     whole programs with such a plan against the kernel alone, alternating: 148-166 vs 159-175 (so
     per-matrix timing can still leave ~5 % there)."""
