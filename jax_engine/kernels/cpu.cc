@@ -222,9 +222,9 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 inline v8 load_w8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 template <>
-inline v8 loadu<v8>(const float* p) { return reinterpret_cast<v8>(_mm256_loadu_ps(p)); }
+inline v8 loadu<v8>(const float* p) { return load_w8(p); }
 template <>
-inline void storeu<v8>(float* p, v8 v) { _mm256_storeu_ps(p, reinterpret_cast<__m256>(v)); }
+inline void storeu<v8>(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
 inline v8 load_w8(const int8_t* p) {
   return reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 }
