@@ -203,14 +203,19 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the engines' dtype (bfloat16 writes spec_decode_bf16.json; not part of `python -m "
                          "benchmarks`: on the 2-vCPU AMX Xeon, one round at batch 8 gave the repeat workload 1.71x "
                          "against 1.54x in float32, the step loop's host work bounding both)")
+    ap.add_argument("--results-name", default=None,
+                    help="results file name (default spec_decode, spec_decode_small or spec_decode_bf16); e.g. "
+                         "spec_decode_avx2 keeps another host class's run beside the default one, which the README "
+                         "shows as a table of its own")
     C.add_round_args(ap)
     a = ap.parse_args(argv)
     rounds = a.rounds or (1 if a.quick else 3)
     small = a.model == "small"
     new_tokens = a.new_tokens or (48 if a.quick else (64 if small else 128))
     batches = [int(b) for b in a.batches.split(",")]
-    name = NAME + ("_small" if small else "") + ("_bf16" if a.dtype == "bfloat16" else "")
-    doc = C.header(name, a.quick, argv if argv is not None else sys.argv[1:])
+    default = NAME + ("_small" if small else "") + ("_bf16" if a.dtype == "bfloat16" else "")
+    name = a.results_name or default
+    doc = C.header(default, a.quick, argv if argv is not None else sys.argv[1:])
     C.engine_process()
     from benchmarks import train_tiny as TT
     from jax_engine.config import ModelSpec
@@ -343,13 +348,14 @@ def _x(v: Any) -> str:
     return f"{v:.2f}×" if isinstance(v, (int, float)) else "–"
 
 
-def render(d: dict, quick: bool) -> list[str]:
-    """README lines for benchmarks/results/spec_decode.json."""
+def render(d: dict, quick: bool, name: str | None = None) -> list[str]:
+    """README lines for benchmarks/results/spec_decode.json (or the results file `name`)."""
     st = d.get("setup") or {}
     m = d.get("model") or {}
     dt = st.get("dtype", "float32")
-    name = NAME + ("_bf16" if dt == "bfloat16" else "")
-    lines = [f"### Speculative decoding: off vs ngram vs suffix on the trained model, {dt}, in-process "
+    name = name or NAME + ("_bf16" if dt == "bfloat16" else "")
+    tag = "" if name == NAME else f" (`{name}`)"
+    lines = [f"### Speculative decoding{tag}: off vs ngram vs suffix on the trained model, {dt}, in-process "
              f"({C.cpu_line(d)})", "", C.source_line(name, quick, d), "",
              f"The model of `benchmarks/train_tiny.py` ({m.get('params', '?')} parameters, byte-level, trained here on the "
              f"Python standard library; held-out loss {m.get('heldout_loss_nats_per_byte', '?')} nats/byte). Three "
@@ -387,7 +393,7 @@ def render(d: dict, quick: bool) -> list[str]:
                   + ", ".join(f"{k} {v}" for k, v in (st.get("step_ms") or {}).items()) + "."]
     sample = m.get("sample") or {}
     if sample:
-        lines += ["", f"A sample of the model (greedy, from `benchmarks/results/train_tiny.json`): prompt "
+        lines += ["", f"A sample of the model (greedy, from its training run's report): prompt "
                       f"`{sample.get('prompt', '')!r}` →", "", "```", (sample.get("greedy_continuation") or "")[:200], "```"]
     for png in (name, name + "_accept"):
         p = C.result_path(png, quick, "png")

@@ -278,28 +278,34 @@ def test_onnxruntime_optimizer_takes_the_o2_arguments():
 
 def test_a_second_hosts_results_render_beside_the_default(tmp_path, monkeypatch):
     # --results-name keeps another host class's run (e.g. without AVX-512) in its own file; the
-    # README section shows each generate_vs_hf*.json and embed_vs_st*.json with its source line,
-    # quick files only in quick mode
+    # README section shows each generate_vs_hf*.json, embed_vs_st*.json and spec_decode*.json with
+    # its source line, quick files only in quick mode (spec_decode_small is a job of its own)
     from benchmarks import common as C
     from benchmarks import embed_vs_st as E
+    from benchmarks import spec_decode as S
 
     monkeypatch.setattr(C, "RESULTS_DIR", str(tmp_path))
     for name in ("generate_vs_hf_avx2.json", "generate_vs_hf_avx2_quick.json", "generate_vs_hf_quick.json",
                  "generate_vs_hf.json", "generate_vs_hf_prefill.png", "spec_decode.json", "embed_vs_st.json",
                  "embed_vs_st_avx2.json", "embed_vs_st_quick.json", "embed_vs_st_avx2_latency.png",
-                 "embed_vs_st_avx2_before_encoder_fixes.json"):     # an earlier run the prose cites: no table
+                 "embed_vs_st_avx2_before_encoder_fixes.json",      # an earlier run the prose cites: no table
+                 "spec_decode_avx2.json", "spec_decode_small.json", "spec_decode_avx2_before_suffix_order.json"):
         (tmp_path / name).write_text("{}")
     assert M.result_variants("generate_vs_hf", quick=False) == ["generate_vs_hf_avx2"]
     assert M.result_variants("generate_vs_hf", quick=True) == ["generate_vs_hf_avx2"]
     assert M.result_variants("embed_vs_st", quick=False) == ["embed_vs_st_avx2"]
+    assert M.result_variants("spec_decode", quick=False) == ["spec_decode_avx2", "spec_decode_small"]
     rendered = []
     monkeypatch.setattr(M, "_load", lambda name, quick: ({"benchmark": name.split("_avx2")[0]}
-                                                         if name.startswith(("generate_vs_hf", "embed_vs_st"))
+                                                         if name.startswith(("generate_vs_hf", "embed_vs_st", "spec_decode"))
                                                          else None))
     monkeypatch.setattr(M, "sec_generate", lambda doc, quick, name="generate_vs_hf": rendered.append(name) or [f"## {name}"])
     monkeypatch.setattr(M, "sec_embed", lambda doc, quick, name="embed_vs_st": rendered.append(name) or [f"## {name}"])
+    monkeypatch.setattr(M, "sec_spec_decode", lambda doc, quick, name="spec_decode": rendered.append(name) or [f"## {name}"])
+    monkeypatch.setattr(M, "sec_spec_decode_small", lambda doc, quick: rendered.append("small") or ["## small"])
     text = M.section(quick=False)
-    assert rendered == ["embed_vs_st", "generate_vs_hf", "embed_vs_st_avx2", "generate_vs_hf_avx2"]
-    assert "## generate_vs_hf_avx2" in text and "## embed_vs_st_avx2" in text
-    assert '"--results-name"' in inspect.getsource(E.main)
-    assert '"--results-name"' in inspect.getsource(G.main)     # the benchmark's option writing such a file
+    assert rendered == ["embed_vs_st", "generate_vs_hf", "spec_decode", "small", "embed_vs_st_avx2",
+                        "generate_vs_hf_avx2", "spec_decode_avx2"]
+    assert "## generate_vs_hf_avx2" in text and "## embed_vs_st_avx2" in text and "## spec_decode_avx2" in text
+    for bench in (E, G, S):                  # the benchmarks' option writing such a file
+        assert '"--results-name"' in inspect.getsource(bench.main)

@@ -251,6 +251,51 @@ def test_a_greedy_sequence_follows_the_cached_answer_without_searching(monkeypat
     assert len(searches) > before
 
 
+def reference_suffix(cache: SuffixCache, seq: list[int], k: int, max_match: int, own_first: bool) -> list[int]:
+    """What a proposer must return (outside its follow shortcut): the better of full searches of
+    a fresh own index over `seq` and of the cache, no floor; on a tie, the own index's path when
+    the proposer's last proposal came from it, else the cache's."""
+    own_index = SuffixIndex(cache.anchors, cache.max_occurrences)
+    own_index.extend(0, seq)
+    pattern = seq[-max(max(cache.anchors), max_match, k):]
+    args = (pattern, k, cache.spec_factor, cache.min_token_prob)
+    own, own_score, _, _ = own_index.best_path(*args, self_doc=0, max_match=max_match)
+    glob, glob_score, _, _ = cache.index.best_path(*args, max_match=max_match)
+    if own_first:
+        return own if own_score >= glob_score else glob
+    return glob if glob_score >= own_score else own
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_either_search_order_proposes_what_full_searches_do(greedy):
+    """A proposer asks first the index its last proposal came from (which also wins ties) and
+    searches the other only for a path that can beat it (best_path's floor). On a small alphabet,
+    with a cache of earlier outputs that share spans with the sequence and a sequence that copies
+    its own prompt and cached spans in turn (so both orders and every pruning run), each proposal
+    equals that of full searches of both indexes without a floor."""
+    rng = random.Random(11)
+    spans = [[rng.randrange(6) for _ in range(rng.randrange(10, 40))] for _ in range(6)]
+    cache = SuffixCache(max_occurrences=6)
+    for i in range(8):
+        out = [t for _ in range(3) for t in rng.choice(spans)[:rng.randrange(4, 30)]] + [rng.randrange(6)]
+        cache.start([50 + i]).finish([50 + i] + out)
+    seq = [t for sp in spans[:3] for t in sp]
+    inc = cache.start(seq, greedy=greedy)
+    orders = set()
+    for _ in range(300):
+        k = rng.randrange(1, 17)
+        inc._follow = None                     # the follow shortcut skips searching (its own test)
+        own_first = inc._own_first
+        got = inc.propose(seq, k)
+        assert got == reference_suffix(cache, seq, k, inc.max_match, own_first)
+        orders.add((own_first, inc._own_first))
+        src = rng.choice([seq, seq, rng.choice(spans)])
+        start = rng.randrange(len(src))
+        seq += (got[:rng.randrange(len(got) + 1)] if rng.random() < 0.5 else src[start:start + rng.randrange(1, 20)])
+        seq.append(rng.randrange(6))
+    assert orders == {(False, False), (False, True), (True, False), (True, True)}
+
+
 def test_aborted_request_is_not_cached():
     cache = SuffixCache()
     cache.start(PROMPT).finish(None)
