@@ -45,7 +45,10 @@ warmup against 18 ms for 1 token on the reference machine). At batch 8 both are 
 2 cores (the 'small' model: 31 ms for 8 tokens, 89 ms for 32).
 
 Run:  python -m benchmarks.spec_decode [--quick] [--k 16] [--rounds 3] [--batches 1,8] [--model small]
-Writes benchmarks/results/spec_decode.json (+ _quick), spec_decode.png and spec_decode_accept.png.
+                                       [--results-name NAME]
+Writes benchmarks/results/spec_decode.json (+ _quick), spec_decode.png and spec_decode_accept.png;
+with --results-name NAME (another host class: spec_decode_avx2), NAME.json and its plots instead,
+which the README shows as a table of its own.
 """
 from __future__ import annotations
 

@@ -212,8 +212,8 @@ class SuffixIndex:
         floor -= 1e-9           # a path's score is a sum of floats: keep a path that ties the floor
         # the shortest match whose length cap reaches the floor (max_spec_len: floor(spec_factor x match))
         min_depth = 0 if floor <= 0 else math.ceil(math.ceil(floor) / spec_factor - 1e-9)
-        if floor > min(most, k):
-            return best
+        if floor > most:
+            return best         # no path is that long
         for anchor, occ in self.occurrences(pattern):
             if best[1] >= most:
                 break           # no node can beat it: a path's score is at most its length
