@@ -747,8 +747,6 @@ def section(quick: bool) -> str:
             lines += render(docs[job], quick)
     for job, render in (("embed_vs_st", sec_embed), ("generate_vs_hf", sec_generate), ("spec_decode", sec_spec_decode)):
         for name in result_variants(job, quick):
-            if name in JOBS:        # a job of its own (spec_decode_small), rendered above
-                continue
             doc = _load(name, quick)
             if doc and doc.get("benchmark") == job:
                 lines += render(doc, quick, name)

@@ -218,7 +218,7 @@ class SuffixIndex:
             if best[1] >= most:
                 break           # no node can beat it: a path's score is at most its length
             depth, node = anchor, occ
-            if anchor < deep and (anchor < need or len(occ) > 1 or anchor < min_depth):
+            if anchor < deep and (anchor < need or len(occ) > 1):
                 depth, node = self._deepest(pattern, anchor, occ, deep, min_depth)
             limit = max_spec_len(depth, k, spec_factor)
             if not node or limit <= best[1] or limit < floor:

@@ -279,7 +279,8 @@ def test_onnxruntime_optimizer_takes_the_o2_arguments():
 def test_a_second_hosts_results_render_beside_the_default(tmp_path, monkeypatch):
     # --results-name keeps another host class's run (e.g. without AVX-512) in its own file; the
     # README section shows each generate_vs_hf*.json, embed_vs_st*.json and spec_decode*.json with
-    # its source line, quick files only in quick mode (spec_decode_small is a job of its own)
+    # its source line, quick files only in quick mode (spec_decode_small, a job of its own, is told
+    # apart by its results' "benchmark" field)
     from benchmarks import common as C
     from benchmarks import embed_vs_st as E
     from benchmarks import spec_decode as S
