@@ -1,6 +1,7 @@
 """Run the test suite and record what the README says about it, into results/tests.json.
 
-Runs `python -m pytest -q [ARGS]` from the repository root (output streams to stderr), times
+Runs `python -m pytest -q [ARGS]` from the repository root (ARGS by default `-n 2`, the README's
+test command: two xdist workers; output streams to stderr), times
 it, and parses pytest's final summary line ("380 passed, 2 skipped in 567.89s (0:09:27)")
 into counts. --empty-cache runs it on a fresh temporary XDG_CACHE_HOME (no compiled XLA
 programs or CPU kernels yet: the first run on a fresh clone); by default the user's cache is
@@ -28,6 +29,7 @@ from benchmarks import common as C
 
 NAME = "tests"
 QUICK_ARGS = ["tests/unit/test_protos.py"]
+DEFAULT_ARGS = ["-n", "2"]          # the README's test command (and .ci/run's)
 _COUNT_RE = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|warnings?|deselected|rerun)")
 _TIME_RE = re.compile(r" in ([\d.]+)s")
 
@@ -84,9 +86,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.test_report", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"run only {' '.join(QUICK_ARGS)} (checks the parsing)")
     ap.add_argument("--empty-cache", action="store_true", help="run on a fresh temporary XDG_CACHE_HOME")
-    ap.add_argument("pytest_args", nargs="*", help="passed to pytest (put them after --)")
+    ap.add_argument("pytest_args", nargs="*", help="passed to pytest instead of -n 2 (put them after --)")
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
-    args = a.pytest_args or (QUICK_ARGS if a.quick else [])
+    args = a.pytest_args or (QUICK_ARGS if a.quick else DEFAULT_ARGS)
     doc = C.header(NAME, a.quick, sys.argv[1:] if argv is None else argv)
     doc["git"] = git_state()
     cache = tempfile.mkdtemp(prefix="xlaserve-test-cache-") if a.empty_cache else None
