@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from tests.helpers.order import module_rank
 from tests.helpers.shared import (
     EMBED,
     GEN,
@@ -46,32 +47,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 
 # =============================================================================================
-# test order
+# test order (tests/helpers/order.py: the longest modules first, for the README's two workers)
 # =============================================================================================
-# The README runs the suite on two xdist workers, one module per work unit (pyproject's addopts:
-# --dist loadfile --no-loadscope-reorder), handed out in collection order. xdist's own order
-# (most tests first) left these single-fixture modules to the end, where one worker ran them
-# alone for ~7 of 22 minutes; longest first keeps both workers busy to the end. Seconds: setup +
-# calls on an empty cache, one process, 2-vCPU Zen 3 (pytest --durations); others stay in place.
-SLOW_FIRST = (
-    "tests/e2e/test_device_check.py",           # ~160 s
-    "tests/engine/test_speculative.py",         # ~155
-    "tests/engine/test_moe_parallel.py",        # ~155
-    "tests/engine/test_decoder.py",             # ~140
-    "tests/engine/test_parallel.py",            # ~135
-    "tests/e2e/test_model_zoo_served.py",       # ~130
-    "tests/engine/test_lora.py",                # ~125
-    "tests/engine/test_multihost.py",           # ~110
-    "tests/unit/test_train_tiny.py",            # ~100
-    "tests/e2e/test_fuzz.py",                   # ~90
-    "tests/e2e/test_cli_e2e.py",                # ~85
-    "tests/engine/test_attention_backends.py",  # ~85
-)
-
-
 def pytest_collection_modifyitems(config, items) -> None:
-    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(SLOW_FIRST)))   # stable: the rest keep their order
+    items.sort(key=lambda it: module_rank(it.nodeid))     # stable: the other modules keep their order
 
 
 # =============================================================================================
