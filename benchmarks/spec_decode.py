@@ -190,6 +190,14 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, Any]:
     return s
 
 
+def result_names(model: str, dtype: str, results_name: str | None) -> tuple[str, str]:
+    """(the document's "benchmark" field, the results file's name). The field stays the default
+    name under --results-name: the README's variants loop renders a file by that field, so
+    spec_decode_avx2.json is drawn as a spec_decode table (and spec_decode_small's as its own)."""
+    default = NAME + ("_small" if model == "small" else "") + ("_bf16" if dtype == "bfloat16" else "")
+    return default, results_name or default
+
+
 def main(argv: list[str] | None = None) -> dict:
     from jax_engine.config import EngineArgs
 
@@ -216,8 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     small = a.model == "small"
     new_tokens = a.new_tokens or (48 if a.quick else (64 if small else 128))
     batches = [int(b) for b in a.batches.split(",")]
-    default = NAME + ("_small" if small else "") + ("_bf16" if a.dtype == "bfloat16" else "")
-    name = a.results_name or default
+    default, name = result_names(a.model, a.dtype, a.results_name)
     doc = C.header(default, a.quick, argv if argv is not None else sys.argv[1:])
     C.engine_process()
     from benchmarks import train_tiny as TT

@@ -58,3 +58,10 @@ def test_render_says_how_many_copy_answers_went_on_with_the_span():
            "finished": "2026-01-01T00:00:00+0000", "summary": {"b8/copy": D.summarize(runs)}, "compilations": {}}
     text = "\n".join(D.render(doc, quick=True))
     assert "Copy answers that went on with their prompt's span" in text and "b8/copy 3/5 of 24" in text
+
+
+def test_results_name_changes_the_file_not_the_benchmark_field():
+    assert D.result_names("trained", "float32", None) == ("spec_decode", "spec_decode")
+    assert D.result_names("trained", "float32", "spec_decode_avx2") == ("spec_decode", "spec_decode_avx2")
+    assert D.result_names("small", "float32", None) == ("spec_decode_small", "spec_decode_small")
+    assert D.result_names("trained", "bfloat16", "x") == ("spec_decode_bf16", "x")
