@@ -14,7 +14,7 @@
 #        #          --dtype auto --quantize none|int8|w8a8 --attention-backend auto|reference|pallas
 #        #          --parity-backends auto,reference --budget-s 420
 #        #          (all of them: python -m benchmarks.device_check run --help)
-#   bash benchmarks/device_check.sh --dry-run            # the same code on CPU, tiny shapes (2-4 minutes
+#   bash benchmarks/device_check.sh --dry-run            # the same code on CPU, tiny shapes (1.5-4 minutes
 #        # on 2 vCPUs: 6 tiny engines compile their programs; the tests run it with LLVM at level 0),
 #        # in ${TMPDIR:-/tmp}/xlaserve-device-check-dry-run unless --work DIR (tests/e2e/test_device_check.py)
 #
@@ -73,7 +73,7 @@ if [ "$DRY" = 1 ]; then
     # XLA's dot on CPU: no kernel build, no matmul timing per tiny model (the device path has neither)
     export JAX_PLATFORMS=cpu XLASERVE_CPU_MATMUL=xla
     # a check of code paths, not of speed: its length is the host's compile time (216 s alone on a
-    # 2-vCPU Zen 3 at LLVM level 1), so the limit leaves room for a busy host
+    # 2-vCPU Zen 3 at XLA's default flags, 91 s at LLVM level 0), so the limit leaves room for a busy host
     LIMIT=600
 else
     LIMIT=470
