@@ -4,7 +4,7 @@ ending in one JSON summary line that is also written to $OUT/device_check.json.
 
 It compiles much and runs little (six tiny parity engines, a bench engine, a server), so LLVM runs
 at level 0 (tests/helpers/shared.fast_compile_xla_flags): alone on a 2-vCPU Zen 3 the run took
-91 s so, 127-162 s at the suite's level 1 (conftest.py) and 216 s at XLA's default flags."""
+91 s this way, 127-162 s at the suite's level 1 (conftest.py) and 216 s at XLA's default flags."""
 from __future__ import annotations
 
 import json
