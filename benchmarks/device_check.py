@@ -185,7 +185,8 @@ def device_info() -> dict:
 
     d = jax.devices()[0]
     info: dict[str, Any] = {"platform": jax.default_backend(), "kind": d.device_kind, "count": jax.device_count(),
-                            "jax": jax.__version__, "python": sys.version.split()[0]}
+                            "jax": jax.__version__, "python": sys.version.split()[0],
+                            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:
         import jaxlib
 

@@ -26,8 +26,10 @@ def test_prompts_are_held_out_definitions_and_copy_cues_repeat_the_span():
     spans = D.held_out_spans(6, 64)
     assert len(spans) == 6 and len(set(spans)) == 6
     assert all(len(s) == 64 and s.lstrip().startswith("def ") for s in spans)
-    p = D.copy_prompt(spans[0])
-    assert p.startswith(spans[0] + "\n") and p.endswith(spans[0][:D.COPY_CUE])
+    prefix, repeat = spans[0][:D.COPY_PREFIX], "    return x\n" * 5
+    p = D.copy_prompt(prefix, repeat)
+    assert p == prefix + repeat + "\n" + prefix
+    assert D.copied_repeat(p) == repeat[:D.COPY_CHECK]       # what an answer that copies starts with
 
 
 def test_render_shows_every_row_goal_and_the_sample():
@@ -54,10 +56,16 @@ def test_render_says_how_many_copy_answers_went_on_with_the_span():
         for r in runs[side]:
             r["copied"] = n
     runs["off"][1]["copied"] = 5
-    doc = {"setup": {"k": 4, "rounds": 2}, "model": {}, "machine": {"cpu": "c", "cores": 2}, "cpu": {},
+    doc = {"setup": {"k": 4, "rounds": 2, "copy_prefix": 32, "copy_repeat": 64}, "model": {},
+           "machine": {"cpu": "c", "cores": 2}, "cpu": {},
            "finished": "2026-01-01T00:00:00+0000", "summary": {"b8/copy": D.summarize(runs)}, "compilations": {}}
     text = "\n".join(D.render(doc, quick=True))
-    assert "Copy answers that went on with their prompt's span" in text and "b8/copy 3/5 of 24" in text
+    assert "Copy answers that repeated the continuation R in their prompt" in text and "b8/copy 3/5 of 24" in text
+    assert "the model's own greedy 64-token continuation R of P" in text
+    # a file of the first copy form (a span and its first bytes) keeps its own words
+    doc["setup"] = {"k": 4, "rounds": 2, "copy_span": 96, "copy_cue": 24}
+    text = "\n".join(D.render(doc, quick=True))
+    assert "Copy answers that went on with their prompt's span" in text and "its first 24 bytes" in text
 
 
 def test_results_name_changes_the_file_not_the_benchmark_field():
