@@ -1,6 +1,8 @@
-"""The pure helpers and README renderer of benchmarks/spec_decode.py (no engine runs here; the
-benchmark itself is `python -m benchmarks.spec_decode [--quick]`)."""
+"""The pure helpers and README renderer of benchmarks/spec_decode.py (no engine runs here: a fake
+stands in where one is called; the benchmark itself is `python -m benchmarks.spec_decode [--quick]`)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from benchmarks import spec_decode as D
 
@@ -73,3 +75,33 @@ def test_results_name_changes_the_file_not_the_benchmark_field():
     assert D.result_names("trained", "float32", "spec_decode_avx2") == ("spec_decode", "spec_decode_avx2")
     assert D.result_names("small", "float32", None) == ("spec_decode_small", "spec_decode_small")
     assert D.result_names("trained", "bfloat16", "x") == ("spec_decode_bf16", "x")
+
+
+class _EchoEngine:
+    """Answers a prompt with its characters reversed (one token per character), recording each
+    request; its tokenizer decodes token ids as characters."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, req):
+        self.requests.append(req)
+        yield SimpleNamespace(new_token_ids=[ord(c) for c in req.prompt[::-1]][:req.params.max_new_tokens])
+
+    def tokenizer(self, name):
+        return SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
+
+
+def test_copy_prompts_hold_the_engines_own_greedy_continuation():
+    spans = D.held_out_spans(3, 96)
+    engine = _EchoEngine()
+    prompts = D.copy_prompts(engine, spans)
+    for span, p in zip(spans, prompts):
+        prefix = span[:D.COPY_PREFIX]
+        assert p == prefix + prefix[::-1] + "\n" + prefix      # P, the engine's answer R to P, newline, P
+    assert sorted(r.prompt for r in engine.requests) == sorted(s[:D.COPY_PREFIX] for s in spans)
+    assert all(r.params.temperature == 0.0 and r.params.max_new_tokens == D.COPY_REPEAT for r in engine.requests)
+    # an answer "copied" when it starts with R
+    repeat = spans[0][:D.COPY_PREFIX][::-1]
+    assert D._copied(engine, prompts[0], [ord(c) for c in repeat + "tail"])
+    assert not D._copied(engine, prompts[0], [ord(c) for c in "x" + repeat])
