@@ -25,8 +25,9 @@ GPU machine). Steps of `run`, each recorded in the summary even when it fails or
           concurrent gRPC Generate streams, then Poisson arrivals of OpenAI chat streams over
           HTTP; TTFT / ITL / tokens/s / errors, compilations after warmup from /metrics.
 
-`--dry-run` runs the same code on CPU with a tiny config (1.5-4 minutes on 2 vCPUs, nearly all of it
-XLA compiling the tiny engines' programs; tests/e2e/test_device_check.py runs it).
+`--dry-run` runs the same code on CPU with a tiny config (~1.5 minutes on 2 vCPUs, nearly all of it
+XLA compiling the tiny engines' programs at LLVM level 0, which device_check.sh sets;
+tests/e2e/test_device_check.py runs it).
 """
 from __future__ import annotations
 
@@ -658,7 +659,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--wheels", action="store_true", help="also download the wheels the GPU machine lacks")
     r = sub.add_parser("run", help="the checks, on whatever device JAX sees")
     r.add_argument("--work", default=DEFAULT_WORK, help="prepared folder (default .device_check)")
-    r.add_argument("--dry-run", action="store_true", help="CPU, tiny config and shapes (1.5-4 min on 2 vCPUs)")
+    r.add_argument("--dry-run", action="store_true", help="CPU, tiny config and shapes (~1.5 min on 2 vCPUs)")
     r.add_argument("--steps", default="parity,bench,serve")
     r.add_argument("--peak-tbps", type=float, default=4.8, help="chip memory bandwidth, TB/s (H200: 4.8)")
     r.add_argument("--peak-tflops", type=float, default=989.0, help="chip dense bf16 TFLOP/s (H200: 989)")

@@ -14,8 +14,8 @@
 #        #          --dtype auto --quantize none|int8|w8a8 --attention-backend auto|reference|pallas
 #        #          --parity-backends auto,reference --budget-s 420
 #        #          (all of them: python -m benchmarks.device_check run --help)
-#   bash benchmarks/device_check.sh --dry-run            # the same code on CPU, tiny shapes (1.5-4 minutes
-#        # on 2 vCPUs: 6 tiny engines compile their programs; the tests run it with LLVM at level 0),
+#   bash benchmarks/device_check.sh --dry-run            # the same code on CPU, tiny shapes (~1.5 minutes
+#        # on 2 vCPUs, nearly all of it 6 tiny engines compiling, at LLVM level 0, which it sets),
 #        # in ${TMPDIR:-/tmp}/xlaserve-device-check-dry-run unless --work DIR (tests/e2e/test_device_check.py)
 #
 # Every step runs the engine's ONE ragged step program per scheduler step (decode tokens and
@@ -76,12 +76,11 @@ if [ "$DRY" = 1 ]; then
     # 2-vCPU Zen 3 at XLA's default flags, 91 s at LLVM level 0), so LLVM runs at level 0 (the
     # caller's own level flag, e.g. the test suite's 1, is replaced) and the limit leaves room for a
     # busy host
-    flags=""
+    flags="--xla_backend_optimization_level=0"
     for f in ${XLA_FLAGS:-}; do
         case "$f" in --xla_backend_optimization_level*) ;; *) flags="$flags $f" ;; esac
     done
-    export XLA_FLAGS="${flags# } --xla_backend_optimization_level=0"
-    export XLA_FLAGS="${XLA_FLAGS# }"
+    export XLA_FLAGS="$flags"
     LIMIT=600
 else
     LIMIT=470
