@@ -127,7 +127,8 @@ def _register(targets: list[str]) -> bool:
 
     if not cpu_kernels.available():
         return False
-    return cpu_kernels.BLAS_TARGET not in targets or cpu_kernels.blas_available()
+    library = (cpu_kernels.BLAS_TARGET, cpu_kernels.BLAS_BIAS_TARGET, cpu_kernels.BLAS_GELU_TARGET)
+    return not any(t in targets for t in library) or cpu_kernels.blas_available()
 
 
 class ProgramStore:

@@ -130,10 +130,12 @@ MIN_COLUMNS = 512                # output columns kept at a prefill point
 # `auto` does not time the library sgemm. Timed alone (one matrix in a scan) it won every float32
 # prefill point of the 'small' model here by 1.4-1.9x, but a same-run A/B of whole requests
 # ('small', float32, 2 rounds, 128-token prompts) lost with it: prefill b1 159-161 vs 130-145 ms,
-# decode b16 439-476 vs 539-560 tok/s, decode b1 66-67 vs 69-72 tok/s. OpenBLAS runs its own
-# thread pool, which keeps spinning beside XLA's after each call, and keeping its layout made the
-# plan move qkv / down at 16 rows off the kernel. Per-matrix timing cannot see either, so the path
-# stays opt-in (`--cpu-matmul blas`) until it is chosen by whole-step timings.
+# decode b16 439-476 vs 539-560 tok/s, decode b1 66-67 vs 69-72 tok/s. OpenBLAS ran its own
+# thread pool then, which kept spinning beside XLA's after each call (the sgemm now runs one
+# single-threaded call per thread of ours: cpu.cc, blas_run), and keeping its layout made the
+# plan move qkv / down at 16 rows off the kernel. Per-matrix timing cannot see the latter, and
+# decoders were not re-measured since, so the path stays opt-in for them (`--cpu-matmul blas`).
+# Encoders time it in auto (ENCODER_LIBRARY_IN_AUTO).
 LIBRARY_IN_AUTO = False
 
 
@@ -151,6 +153,7 @@ class Case:
     tied: bool = False               # LM head = embed^T (XLA reads the [V, H] embedding)
     points: tuple[int, ...] = ()     # row counts to time
     blas: bool = False               # also time the library sgemm (at prefill points)
+    blas_min_rows: int = 0           # ... of at least this many rows
     flat: bool = False               # an encoder matrix: x [M, K] @ w [K, N] (no decoder layout)
     a8: bool = False                 # int8 activations too (--quantize w8a8: quantized per row)
     epilogue: Epilogue = ""          # a flat float32 matrix's finish as its program runs it: "bias",
@@ -334,8 +337,12 @@ class _Point:
         self.layers = L
         self.specs = {"xla": xla_w, "kernel": packed}
         self.fns = {"xla": jax.jit(xla_fn), "kernel": jax.jit(kernel_fn)}
-        if case.blas and self.shape_class == "prefill" and case.weight != "lm_head":
+        if case.blas and self.shape_class == "prefill" and case.weight != "lm_head" and m >= case.blas_min_rows:
             def blas_fn(x, w):
+                if case.epilogue:            # an encoder matrix, finished in the same call (models/bert.py)
+                    def fused(li: jax.Array) -> jax.Array:
+                        return cpu_kernels.blas_gemm_bias(x, w["w"], li, w["b"][li], case.epilogue == "bias_gelu")
+                    return jax.lax.scan(lambda li, _: (li + 1, fused(li)), jnp.int32(0), None, length=L)[1]
                 return jax.lax.scan(lambda li, _: (li + 1, cpu_kernels.blas_linear(x, w, li, kd).astype(x.dtype)),
                                     jnp.int32(0), None, length=L)[1]
             self.specs["blas"], self.fns["blas"] = xla_w, jax.jit(blas_fn)
@@ -443,7 +450,8 @@ def decision_dir() -> str:
 # --------------------------------------------------------------------------- the rule
 def _route(case: Case, times: dict[int, dict[str, float]], decode_rows: int) -> tuple[tuple[int, str], ...]:
     """Routes of one matrix from its timed points (rules 1-3 of the module docstring). The library
-    sgemm brings its own threads, so it must beat the other paths by more than MARGIN."""
+    sgemm must beat the other paths by more than MARGIN: timed alone, it does not show what it
+    costs whole decoder steps (LIBRARY_IN_AUTO)."""
     pts = sorted(times)
 
     def best(m: int, allowed: set[str]) -> str:
@@ -543,12 +551,25 @@ def choose(cases_: list[Case], decode_rows: int, *, timer: Optional[Timer] = Non
 
 # --------------------------------------------------------------------------- encoders
 ENCODER_POINTS = (16, 64, 256, 1024)    # rows (batch x sequence) an encoder's matrices are timed at
+# Encoders time the library sgemm too (float32, at ENCODER_LIBRARY_ROWS rows and up: below that a
+# program is a few sentences and the panel kernel's lead there is wide). Unlike the decoders' case
+# (LIBRARY_IN_AUTO), whole programs follow the per-matrix timing since the sgemm runs one
+# single-threaded call per thread of ours (cpu.cc: blas_run) and finishes bias and GELU in the
+# same call: all-MiniLM-L6-v2 packed programs on a 2-vCPU Zen 3 (AVX2, 512 KiB L2), ms p50 of 15
+# alternating calls, kernel up to 128 rows and XLA / kernel above as that host's plan had it ->
+# the library above 128 rows: 256 tokens 47.7 -> 41.7, 1,024 198.5 -> 172.2, 2,048 419.7 ->
+# 353.2; the corpus at batch 32 128 -> 145 sentences/s, batch 128 144 -> 163 (medians of 4
+# alternating rounds, same process). Standalone on that host numpy's OpenBLAS ran these shapes
+# at 157-165 GFLOP/s, XLA's dot and the panel kernel at 100-136.
+ENCODER_LIBRARY_IN_AUTO = True
+ENCODER_LIBRARY_ROWS = 256
 ATTENTION = bert.ATTENTION              # the encoder self-attention's route name in a plan
 ATTENTION_SEQ = 64                      # sequence length of a timed attention point (b = rows / 64)
 
 
 def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any, max_rows: int,
-                  attention: Optional[tuple[int, int]] = None, gelu: Optional[str] = None) -> list[Case]:
+                  attention: Optional[tuple[int, int]] = None, gelu: Optional[str] = None,
+                  library: bool = False) -> list[Case]:
     """An encoder's layer matrices ({name: (K, N)}, stacked over `layers`) and the row counts each
     is timed at: ENCODER_POINTS up to the largest program (`max_rows`), which span the bucket
     programs from one short sentence (16 rows) to the batches (2,048 on CPU). With `attention`
@@ -563,12 +584,18 @@ def encoder_cases(matrices: dict[str, tuple[int, int]], layers: int, dtype: Any,
     runs minutes apart). With
     the epilogue timed, that host's plans keep XLA's dot only for qkv and FFN out at ~1,000 rows;
     whole programs with such a plan against the kernel alone, alternating: 148-166 vs 159-175 (so
-    per-matrix timing can still leave ~5 % there)."""
+    per-matrix timing can still leave ~5 % there).
+
+    With `library` (float32 only), the library sgemm is timed as well at ENCODER_LIBRARY_ROWS rows and
+    more, with the same epilogue (ENCODER_LIBRARY_IN_AUTO: why)."""
     pts = tuple(m for m in ENCODER_POINTS if m <= max_rows) or (max(1, max_rows),)
     name = jnp.dtype(dtype).name
+    blas = (library and name == "float32" and any(m >= ENCODER_LIBRARY_ROWS for m in pts)
+            and cpu_kernels.blas_available())
     def epi(w: str) -> Epilogue:
         return "" if name != "float32" else "bias_gelu" if w == gelu else "bias"
-    out = [Case(w, (k,), (n,), layers, name, int8=False, points=pts, flat=True, epilogue=epi(w))
+    out = [Case(w, (k,), (n,), layers, name, int8=False, points=pts, flat=True, epilogue=epi(w), blas=blas,
+                blas_min_rows=ENCODER_LIBRARY_ROWS if blas else 0)
            for w, (k, n) in matrices.items()]
     if attention is not None:
         heads, d = attention
@@ -602,7 +629,8 @@ def configure_encoder(choice: str, plat: str, dtype: Any, tp: int, matrices: dic
         return MatmulPlan(routes=tuple((w, ((UNBOUNDED, "kernel"),)) for w in names), source="forced")
     if choice != "auto" or cpu_kernels.resolve("auto", plat, dtype, "none", tp) != "kernel":
         return None
-    return choose(encoder_cases(matrices, layers, dtype, max_rows, attention, gelu), 0, timer=timer)
+    return choose(encoder_cases(matrices, layers, dtype, max_rows, attention, gelu, library=ENCODER_LIBRARY_IN_AUTO),
+                  0, timer=timer)
 
 
 def configure(choice: str, cfg: Any, plat: str, dtype: Any, quantize: str, tp: int, *, decode_rows: int,

@@ -47,6 +47,8 @@ ATTN_TARGET = "xlaserve_cpu_decode_attention_f32"
 ENC_ATTN_TARGET = "xlaserve_cpu_encoder_attention_f32"
 ENC_ATTN_VARLEN_TARGET = "xlaserve_cpu_encoder_attention_varlen_f32"
 BLAS_TARGET = "xlaserve_cpu_blas_gemm_f32"
+BLAS_BIAS_TARGET = "xlaserve_cpu_blas_gemm_bias_f32"
+BLAS_GELU_TARGET = "xlaserve_cpu_blas_gemm_bias_gelu_f32"
 GLU_TARGET = "xlaserve_cpu_glu_bf16"
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}     # cpu.cc GluBF16Impl's act codes
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
@@ -203,6 +205,10 @@ def available() -> bool:
             jax.ffi.register_ffi_target(ENC_ATTN_VARLEN_TARGET, jax.ffi.pycapsule(lib.XlaserveEncoderAttentionVarlenF32),
                                         platform="cpu")
             jax.ffi.register_ffi_target(BLAS_TARGET, jax.ffi.pycapsule(lib.XlaserveBlasGemmF32), platform="cpu")
+            jax.ffi.register_ffi_target(BLAS_BIAS_TARGET, jax.ffi.pycapsule(lib.XlaserveBlasGemmBiasF32),
+                                        platform="cpu")
+            jax.ffi.register_ffi_target(BLAS_GELU_TARGET, jax.ffi.pycapsule(lib.XlaserveBlasGemmBiasGeluF32),
+                                        platform="cpu")
             jax.ffi.register_ffi_target(GLU_TARGET, jax.ffi.pycapsule(lib.XlaserveGluBF16), platform="cpu")
             _state.update(ok=True, reason="", lib=lib)
         except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot instead
@@ -238,7 +244,10 @@ def _require() -> None:
 def _find_sgemm() -> tuple[int, bool, str]:
     """(address, ilp64, library) of a cblas_sgemm: the OpenBLAS inside numpy's wheel (numpy.libs /
     numpy/.dylibs, symbols scipy_cblas_sgemm64_ or scipy_cblas_sgemm), else a system libopenblas.
-    numpy already loaded its copy, so this adds no library to the process and no dependency."""
+    numpy already loaded its copy, so this adds no library to the process and no dependency.
+    The library's own thread pool is set to one thread: cpu.cc (blas_run) runs one single-threaded
+    sgemm per thread of ours, and the library's pool threads spin after each call, taking the
+    cores XLA's pool and our helpers run on (see there)."""
     here = os.path.dirname(os.path.abspath(np.__file__))
     cands = sorted(glob.glob(os.path.join(here + ".libs", "libscipy_openblas*")) +
                    glob.glob(os.path.join(here, ".dylibs", "libscipy_openblas*")))
@@ -252,6 +261,12 @@ def _find_sgemm() -> tuple[int, bool, str]:
         for sym, ilp64 in (("scipy_cblas_sgemm64_", True), ("scipy_cblas_sgemm", False), ("cblas_sgemm", False)):
             fn = getattr(lib, sym, None)
             if fn is not None:
+                for setter in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                               "openblas_set_num_threads"):
+                    if hasattr(lib, setter):
+                        getattr(lib, setter).argtypes = [ctypes.c_int]
+                        getattr(lib, setter)(1)
+                        break
                 return ctypes.cast(fn, ctypes.c_void_p).value or 0, ilp64, os.path.basename(path)
     raise RuntimeError("no OpenBLAS found (numpy's wheel bundles one; a system libopenblas also works)")
 
@@ -276,14 +291,28 @@ def blas_reason() -> str:
     return _state.get("blas_reason", "not looked for yet") if available() else reason()
 
 
-def blas_gemm(x: jax.Array, w: jax.Array, layer: Any, trans_b: bool = False) -> jax.Array:
+def blas_gemm(x: jax.Array, w: jax.Array, layer: Any, trans_b: bool = False,
+              rows: Optional[jax.Array] = None) -> jax.Array:
     """x [M, K] @ w[layer] for a float32 stacked weight w [L, K, N] (XLA's layout; [L, N, K] with
-    trans_b), by the library sgemm; [M, N] float32."""
+    trans_b), by the library sgemm; [M, N] float32. `rows` as gemm's: rows past it are zeros."""
     if not blas_available():
         raise RuntimeError(f"library sgemm unavailable: {blas_reason()}")
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1] if trans_b else w.shape[2]), jnp.float32)
-    li = jnp.asarray(layer, jnp.int32).reshape(())
+    li = _layer_operand(layer, rows)
     return jax.ffi.ffi_call(BLAS_TARGET, out)(x.astype(jnp.float32), w.astype(jnp.float32), li, trans_b=int(trans_b))
+
+
+def blas_gemm_bias(x: jax.Array, w: jax.Array, layer: Any, bias: jax.Array, gelu: bool = False,
+                   rows: Optional[jax.Array] = None) -> jax.Array:
+    """gemm_bias on the library sgemm: x [M, K] @ w[layer] (float32 [L, K, N], XLA's layout) + bias
+    [N], then (`gelu`) HF's exact GELU, in the same call (cpu.cc: XlaserveBlasGemmBias[Gelu]F32).
+    `rows` as gemm's: rows past it are zeros (no bias)."""
+    if not blas_available():
+        raise RuntimeError(f"library sgemm unavailable: {blas_reason()}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+    li = _layer_operand(layer, rows)
+    return jax.ffi.ffi_call(BLAS_GELU_TARGET if gelu else BLAS_BIAS_TARGET, out)(
+        x.astype(jnp.float32), w.astype(jnp.float32), li, bias.astype(jnp.float32))
 
 
 def blas_linear(x: jax.Array, w: jax.Array, layer: Any, k_dims: int) -> jax.Array:

@@ -374,14 +374,19 @@ class Dense(nnx.Module):
         `rows` (packed inputs: the tokens the inputs cover, the bucket's padding after them): the
         kernel computes only those rows and leaves zeros in the rest; XLA's dot computes them all."""
         m = math.prod(x.shape[:-1])
-        if li is not None and c.matmul_plan is not None and c.matmul_plan.path(self.name, m) == "kernel":
+        path = c.matmul_plan.path(self.name, m) if li is not None and c.matmul_plan is not None else "xla"
+        if path == "blas":      # float32 weights only (cpu.resolve), passed whole (Encoder)
+            y = cpu_kernels.blas_gemm_bias(x.reshape(m, x.shape[-1]), self.weight[...], li, self.bias[...], gelu, rows)
+            return y.reshape(x.shape[:-1] + y.shape[-1:]).astype(x.dtype)
+        if path == "kernel":
             w = self.panels[...]
             if w.dtype == jnp.float32 and self.bias[...].dtype == jnp.float32:
                 y = cpu_kernels.gemm_bias(x.reshape(m, x.shape[-1]), w, li, self.bias[...], gelu, rows)
                 return y.reshape(x.shape[:-1] + y.shape[-1:]).astype(x.dtype)
             y = cpu_kernels.linear(x, w, li, 1, (matrix_dims(c)[self.name][1],), rows).astype(x.dtype)
         else:
-            y = x @ self.weight[...]
+            w = self.weight[...]
+            y = x @ (w[li] if li is not None and w.ndim == 3 else w)     # 3-D: passed whole for the blas path
         y = y + self.bias[...]
         return _ACTIVATIONS["gelu"](y) if gelu else y
 
@@ -457,8 +462,11 @@ class Encoder(nnx.Module):
             x, li = carry
             return layer(c, x, attend, li, rows), li + 1
 
-        return stacked.scan(self.layer, lambda path: path.split(".")[-1] == "panels", c.num_layers, body,
-                            (x, jnp.int32(0)))[0]
+        plan = c.matmul_plan
+        blas = {n for n in MATRICES if plan is not None and "blas" in {p for _, p in dict(plan.routes)[n]}}
+        blas_paths = {_MATRIX_PATHS[n] + ".weight" for n in blas}
+        return stacked.scan(self.layer, lambda path: path.split(".")[-1] == "panels" or path in blas_paths,
+                            c.num_layers, body, (x, jnp.int32(0)))[0]
 
 
 class Classifier(nnx.Module):
@@ -533,6 +541,9 @@ def xla_attention(qkv: jax.Array, mask_bias: jax.Array, heads: int) -> jax.Array
 
 Attend = Callable[[jax.Array], jax.Array]     # fused projection [B, S, 3 H D] -> context [B, S, H D]
 MATRICES = ("qkv_w", "attn_out_w", "ffn_in_w", "ffn_out_w")
+# each matrix's Dense inside a Layer (dotted nnx path), as layer_matrices finds it
+_MATRIX_PATHS = {"qkv_w": "attention.qkv", "attn_out_w": "attention.output.dense", "ffn_in_w": "intermediate.dense",
+                 "ffn_out_w": "output.dense"}
 ATTENTION = "attention"      # the self-attention's route in the plan (XLA's path or cpu.encoder_attention)
 
 

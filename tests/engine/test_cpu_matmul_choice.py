@@ -39,7 +39,8 @@ class FakeTimer:
 
     def __call__(self, case, m, runs):
         assert {"xla", "kernel"} <= set(runs) <= {"xla", "kernel", "blas"}
-        assert ("blas" in runs) == (case.blas and m > D), "the library sgemm is timed at float32 prefill rows only"
+        assert ("blas" in runs) == (case.blas and m > D and m >= case.blas_min_rows), \
+            "the library sgemm is timed at float32 prefill rows only"
         self.calls.append((case.weight, m))
         got = self.table(case.weight, m)
         out = {"xla": got[0], "kernel": got[1]}
@@ -223,6 +224,56 @@ def test_the_library_sgemm_matches_einsum():
     h = rng.standard_normal((3, 24)).astype(np.float32)
     y = jax.jit(lambda h, e: K.blas_gemm(h, e[None], 0, trans_b=True))(h, e)
     np.testing.assert_allclose(np.asarray(y), h @ e.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_library_sgemm_with_bias_and_gelu_matches_numpy():
+    """The encoder's library path (blas_gemm_bias): x @ w[layer] + bias, then the exact GELU, in
+    one call; with `rows`, only the first rows (the rest zeros, no bias); rows split across
+    threads (M >= 64) and columns split (fewer rows) both give the same product."""
+    from scipy.special import erf
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((3, 48, 200)).astype(np.float32)
+    b = rng.standard_normal((3, 200)).astype(np.float32)
+    for m in (5, 130):
+        x = rng.standard_normal((m, 48)).astype(np.float32)
+        ref = x @ w[1] + b[1]
+        for gelu in (False, True):
+            want = 0.5 * ref * (1 + erf(ref / np.sqrt(2))) if gelu else ref
+            y = jax.jit(lambda x, w, b, g=gelu: K.blas_gemm_bias(x, w, 1, b[1], g))(x, w, b)
+            np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+        live = m - 3
+        y = np.asarray(jax.jit(lambda x, w, b, r: K.blas_gemm_bias(x, w, 1, b[1], False, r))(x, w, b, live))
+        np.testing.assert_allclose(y[:live], ref[:live], rtol=1e-5, atol=1e-5)
+        assert (y[live:] == 0).all()
+
+
+def test_encoder_library_sgemm_timed_at_large_programs_only(decisions):
+    """auto for a float32 encoder also times the library sgemm, at ENCODER_LIBRARY_ROWS rows and
+    more, and routes a matrix there where it beats both other paths by the margin; never for
+    bfloat16 (numpy's OpenBLAS has no such GEMM)."""
+    dims = {"qkv_w": (64, 192), "attn_out_w": (64, 64), "ffn_in_w": (64, 256), "ffn_out_w": (256, 64)}
+
+    def table(w, m):
+        if m < C.ENCODER_LIBRARY_ROWS:
+            return (3e-3, 1e-3)                            # the kernel on small programs
+        if w == "attn_out_w":
+            return (3e-3, 1e-3, 0.95e-3)                   # 5 % faster than the kernel: not enough
+        return (3e-3, 3e-3, 1e-3)                          # the library 3x faster
+    timer = FakeTimer(table)
+    plan = C.configure_encoder("auto", "cpu", jnp.float32, 1, dims, layers=2, max_rows=2048, timer=timer)
+    assert C.ENCODER_LIBRARY_IN_AUTO
+    for w in ("qkv_w", "ffn_in_w", "ffn_out_w"):
+        assert [plan.path(w, m) for m in (16, 64, 127, 128, 256, 2048)] == ["kernel"] * 4 + ["blas"] * 2, w
+        assert plan.layouts(w) == {"kernel", "xla"}        # the library reads XLA's layout
+    assert all(plan.path("attn_out_w", m) == "kernel" for m in (16, 2048)) and plan.layouts("attn_out_w") == {"kernel"}
+    timed = {m for w, m in timer.calls}
+    assert timed == set(C.ENCODER_POINTS)
+    assert all(t.blas_s is not None for t in plan.timings if t.m >= C.ENCODER_LIBRARY_ROWS)
+    assert all(t.blas_s is None for t in plan.timings if t.m < C.ENCODER_LIBRARY_ROWS)
+    bf16 = C.encoder_cases(dims, 2, jnp.bfloat16, 2048, library=True)
+    assert not any(c.blas for c in bf16)
+    assert not any(c.blas for c in C.encoder_cases(dims, 2, jnp.float32, 128, library=True))   # no large program
 
 
 def _mixed_table(w, m):

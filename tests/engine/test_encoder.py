@@ -152,7 +152,8 @@ def test_minilm_matmul_paths_match_sentence_transformers(minilm_path, minilm_wor
     (its routes in the stats); with `kernel` the packed-panel kernel serves every matrix at every
     program size: the same embeddings as sentence-transformers, nothing compiled after warmup."""
     routes = minilm_worker.stats().matmul_routes
-    assert {r.weight for r in routes} == {*bert.MATRICES, bert.ATTENTION} and {r.path for r in routes} <= {"xla", "kernel"}
+    assert {r.weight for r in routes} == {*bert.MATRICES, bert.ATTENTION}
+    assert {r.path for r in routes} <= {"xla", "kernel", "blas"}
     assert minilm_worker.cfg.matmul_plan.source in ("measured", "cached")
     spec = ModelSpec(name="minilm-k", path=minilm_path, max_model_len=256)
     w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=256, cpu_matmul="kernel"))
@@ -189,7 +190,8 @@ def test_minilm_mixed_plan_matches_sentence_transformers(minilm_path, sentences,
     from jax_engine.kernels import choose
 
     def timer(case, m, runs):
-        return {"xla": 3e-3, "kernel": 1e-3} if m <= 64 else {"xla": 1e-3, "kernel": 3e-3}
+        out = {"xla": 3e-3, "kernel": 1e-3} if m <= 64 else {"xla": 1e-3, "kernel": 3e-3}
+        return {**out, "blas": 9e-3} if "blas" in runs else out      # the library sgemm slowest
 
     monkeypatch.setattr(choose, "decision_dir", lambda: str(tmp_path))
     monkeypatch.setattr(choose, "default_timer", timer)
@@ -210,6 +212,48 @@ def test_minilm_mixed_plan_matches_sentence_transformers(minilm_path, sentences,
         for out, ref in ((big, st_reference[:32]), (one, st_reference[:1])):
             assert float(np.abs(out.embeddings - ref).max()) < 1e-4
         assert w.compilations_after_warmup == 0
+    finally:
+        w.stop()
+
+
+def test_minilm_library_plan_matches_sentence_transformers(minilm_path, sentences, st_reference, monkeypatch,
+                                                          tmp_path):
+    """auto with the library sgemm timed fastest on large programs (and the kernel on small ones):
+    programs of 256+ tokens multiply on the library sgemm with the bias and GELU in the same call
+    (the stacked weights passed whole, XLA's layout kept beside the panels), small ones on the
+    kernel; the same embeddings as sentence-transformers, nothing compiled after warmup."""
+    from jax_engine.kernels import choose
+    from jax_engine.kernels import cpu as cpu_kernels
+
+    def timer(case, m, runs):
+        if case.weight == bert.ATTENTION or m < choose.ENCODER_LIBRARY_ROWS:
+            return {"xla": 3e-3, "kernel": 1e-3}
+        assert "blas" in runs
+        return {"xla": 3e-3, "kernel": 3e-3, "blas": 1e-3}
+
+    monkeypatch.setattr(choose, "decision_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(choose, "default_timer", timer)
+    spec = ModelSpec(name="minilm-blas", path=minilm_path, max_model_len=256)
+    w = EmbedWorker(spec, EngineArgs(embed_max_batch_tokens=2048, cpu_matmul="auto"))
+    plan = w.cfg.matmul_plan
+    assert all(plan.path(m, 128) == "kernel" and plan.path(m, 256) == "blas" for m in bert.MATRICES)
+    qkv = w.model().encoder.layer.attention.qkv
+    assert qkv.panels is not None and qkv.weight is not None         # both layouts
+    assert w.packed                                                   # the attention kernel everywhere
+    w.warmup(progress=False)
+    big_T = max(w.token_buckets)
+    hlo = w.programs._programs[next(k for k in w.programs._programs if big_T in k[1])].as_text()
+    assert cpu_kernels.BLAS_GELU_TARGET in hlo and hlo.count(cpu_kernels.BLAS_BIAS_TARGET) == 3
+    assert cpu_kernels.GELU_TARGET not in hlo
+    w.start()
+    try:
+        big = run(w, EmbedRequest("big", texts=sentences[:32]))       # programs of >= 256 rows: the library
+        one = run(w, EmbedRequest("one", texts=sentences[:1]))        # a batch-1 program: the kernel
+        for out, ref in ((big, st_reference[:32]), (one, st_reference[:1])):
+            assert cosine_rows(out.embeddings, ref).min() >= 0.9999
+            assert float(np.abs(out.embeddings - ref).max()) < 1e-4
+        assert w.compilations_after_warmup == 0
+        assert {r.path for r in w.stats().matmul_routes if r.weight in bert.MATRICES} == {"kernel", "blas"}
     finally:
         w.stop()
 
