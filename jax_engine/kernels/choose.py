@@ -120,7 +120,7 @@ from jax_engine.models import bert, llama
 
 log = logging.getLogger("xlaserve.kernels")
 
-RULE_VERSION = 4
+RULE_VERSION = 5
 Epilogue = Literal["", "bias", "bias_gelu"]    # what a timed encoder matrix does after its product
 MARGIN = 0.10                    # a second layout must win by more than this (see the module docstring)
 SAMPLES = 5                      # alternating samples per path and point (after one warm call each)
@@ -449,14 +449,16 @@ def decision_dir() -> str:
 
 # --------------------------------------------------------------------------- the rule
 def _route(case: Case, times: dict[int, dict[str, float]], decode_rows: int) -> tuple[tuple[int, str], ...]:
-    """Routes of one matrix from its timed points (rules 1-3 of the module docstring). The library
-    sgemm must beat the other paths by more than MARGIN: timed alone, it does not show what it
-    costs whole decoder steps (LIBRARY_IN_AUTO)."""
+    """Routes of one matrix from its timed points (rules 1-3 of the module docstring). In a
+    decoder the library sgemm must beat the other paths by more than MARGIN: timed alone, it does
+    not show what it costs whole decoder steps (LIBRARY_IN_AUTO). An encoder's is priced as
+    timed: whole programs followed its timing (ENCODER_LIBRARY_IN_AUTO)."""
     pts = sorted(times)
+    blas_margin = 0.0 if case.flat else MARGIN
 
     def best(m: int, allowed: set[str]) -> str:
         cand = [p for p in PATHS if p in times[m] and p in allowed]
-        return min(cand, key=lambda p: times[m][p] * (1 + MARGIN if p == "blas" else 1))
+        return min(cand, key=lambda p: times[m][p] * (1 + blas_margin if p == "blas" else 1))
 
     def decide(allowed: set[str]) -> dict[int, str]:
         win = {m: best(m, allowed) for m in pts}

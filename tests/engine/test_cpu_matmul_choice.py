@@ -250,15 +250,15 @@ def test_the_library_sgemm_with_bias_and_gelu_matches_numpy():
 
 def test_encoder_library_sgemm_timed_at_large_programs_only(decisions):
     """auto for a float32 encoder also times the library sgemm, at ENCODER_LIBRARY_ROWS rows and
-    more, and routes a matrix there where it beats both other paths by the margin; never for
-    bfloat16 (numpy's OpenBLAS has no such GEMM)."""
+    more, and routes a matrix there where it is the fastest (no extra margin, unlike a decoder's);
+    never for bfloat16 (numpy's OpenBLAS has no such GEMM)."""
     dims = {"qkv_w": (64, 192), "attn_out_w": (64, 64), "ffn_in_w": (64, 256), "ffn_out_w": (256, 64)}
 
     def table(w, m):
         if m < C.ENCODER_LIBRARY_ROWS:
             return (3e-3, 1e-3)                            # the kernel on small programs
         if w == "attn_out_w":
-            return (3e-3, 1e-3, 0.95e-3)                   # 5 % faster than the kernel: not enough
+            return (3e-3, 1e-3, 1.05e-3)                   # 5 % slower than the kernel
         return (3e-3, 3e-3, 1e-3)                          # the library 3x faster
     timer = FakeTimer(table)
     plan = C.configure_encoder("auto", "cpu", jnp.float32, 1, dims, layers=2, max_rows=2048, timer=timer)
