@@ -967,6 +967,11 @@ def test_row21_fault_in_one_step_fails_only_its_requests_on_every_front(http_url
             t.start()
         assert as_start(asp, "fault-as", new_tokens=200).as_status == apb.ALLSPARK_SUCCESS
         assert wait_for(lambda: serving_engine.stats(GEN).running_requests == 4, 30)
+        # two whole steps more (8 tokens), none prefilling: every stream has its first token, so the
+        # fault lands mid-stream on every front (a mirror stream whose first message is the error
+        # answers a plain HTTP 500 instead, by design: under a loaded CI run the fault once came first)
+        g0 = serving_engine.stats(GEN).total_generated_tokens
+        assert wait_for(lambda: serving_engine.stats(GEN).total_generated_tokens >= g0 + 8 and not sched.prefilling, 30)
         with fault(serving_engine, "step", delay_s=0.02) as left:
             assert wait_for(lambda: left["n"] == 0, 30)
             for t in threads:
