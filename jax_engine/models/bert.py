@@ -370,7 +370,9 @@ class Dense(nnx.Module):
                  gelu: bool = False, rows: Optional[jax.Array] = None) -> jax.Array:
         """x [B, S, K] (or [B, K]) @ this matrix (layer li's, on the path the plan names for the
         program's row count) + bias, then (`gelu`) HF's exact GELU: the bias and GELU in the
-        kernel's own pass over each output tile for float32 panels (cpu.gemm_bias), else by XLA.
+        kernel's own pass over each output tile for float32 panels (cpu.gemm_bias), in the library
+        sgemm's call on its path (cpu.blas_gemm_bias; the weight then comes whole, [L, K, N]),
+        else by XLA.
         `rows` (packed inputs: the tokens the inputs cover, the bucket's padding after them): the
         kernel computes only those rows and leaves zeros in the rest; XLA's dot computes them all."""
         m = math.prod(x.shape[:-1])
