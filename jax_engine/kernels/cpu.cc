@@ -2288,20 +2288,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmF32, GemmImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// x, w, layer, bias -> y: the binding both bias GEMMs share
+// x, w, layer, bias -> y: the binding the bias GEMMs share (w: Panels for the kernel's, Stacked,
+// XLA's own layout, for the library sgemm's)
+template <typename Weights>
 inline auto gemm_bias_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<Panels>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Ret<ffi::Buffer<ffi::F32>>();
+      .template Arg<Weights>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasF32, GemmBiasImpl<false>, gemm_bias_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasF32, GemmBiasImpl<false>, gemm_bias_binding<Panels>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasGeluF32, GemmBiasImpl<true>, gemm_bias_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmBiasGeluF32, GemmBiasImpl<true>, gemm_bias_binding<Panels>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveGemmI8, GemmI8Impl,
                               ffi::Ffi::Bind()
@@ -2347,23 +2349,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveBlasGemmF32, BlasGemmImpl,
                                   .Attr<int64_t>("trans_b")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveBlasGemmBiasF32, BlasGemmBiasImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<Stacked>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveBlasGemmBiasF32, BlasGemmBiasImpl<false>, gemm_bias_binding<Stacked>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveBlasGemmBiasGeluF32, BlasGemmBiasImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<Stacked>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveBlasGemmBiasGeluF32, BlasGemmBiasImpl<true>, gemm_bias_binding<Stacked>());
 
 // Whether bfloat16 GEMMs of 16 rows or more run on AMX tiles in this process (tests, logs).
 
